@@ -1,0 +1,242 @@
+"""Fine-tuning data: documents → tokens with EOT between documents → fixed-length sequences.
+
+Sources (``DataConfig.source``):
+- ``tiny``: the synthetic corpus of the bundled tiny model (held-out text from its own seed);
+- a local ``.txt`` file (documents separated by blank lines), a folder of ``.txt`` files (one
+  document each), a ``.jsonl`` file (one document per line, in ``text_field``), a ``.parquet``
+  file, or a folder written by ``datasets.Dataset.save_to_disk``;
+- a pre-tokenised stream: a ``.npy`` array of token ids (EOT already in place, held-out tokens
+  taken from the end), or any dataset with an ``input_ids`` column (rows concatenated as-is);
+- any other string: a Hugging Face Hub dataset id (``revision``, ``split``).
+
+Text is split into train/held-out documents with ``train_test_split(test_size=val_fraction,
+seed=val_seed)`` (the nanoGPT split for OpenWebText), tokenised, joined with the EOT token
+after every document (EOT stays a prediction target) and cached as flat ``uint16``/``uint32``
+token files keyed by the tokenizer and the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lnfree.config import DataConfig
+
+CACHE_FORMAT = 1
+
+
+class DataError(ValueError):
+    """A data source that cannot be read or does not fit the model."""
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_root(config: DataConfig) -> Path:
+    return Path(config.cache_dir or Path.home() / ".cache" / "lnfree" / "data").expanduser()
+
+
+def _text_datasets(config: DataConfig):
+    """(train, held-out) `datasets.Dataset`s of documents, or of pre-tokenised rows."""
+    import datasets
+
+    if config.source == "tiny":
+        from lnfree.tiny import FINETUNE_SEED, HELDOUT_SEED, generate_documents
+
+        n = config.max_documents or 4000
+        held_out = max(2, int(round(n * config.val_fraction)))
+        return (
+            datasets.Dataset.from_dict({"text": generate_documents(n, FINETUNE_SEED)}),
+            datasets.Dataset.from_dict({"text": generate_documents(held_out, HELDOUT_SEED)}),
+        )
+    path = Path(config.source).expanduser()
+    if path.exists():
+        dataset = _local_dataset(path, config)
+    elif config.source.startswith((".", "/", "~")) or path.suffix in {".txt", ".jsonl", ".json", ".parquet", ".npy"}:
+        raise DataError(f"data source not found: {config.source}")
+    else:
+        try:
+            dataset = datasets.load_dataset(config.source, revision=config.revision, split=config.split)
+        except Exception as err:  # the Hub, the network or the id: say which source failed
+            raise DataError(f"could not load dataset {config.source!r} (split {config.split!r}): {err}") from err
+    if config.max_documents is not None:
+        dataset = dataset.select(range(min(config.max_documents, len(dataset))))
+    if len(dataset) < 2:
+        raise DataError(f"data source {config.source!r} holds fewer than two documents")
+    split = dataset.train_test_split(test_size=config.val_fraction, seed=config.val_seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+def _local_dataset(path: Path, config: DataConfig):
+    import datasets
+
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+            return loaded[config.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if not files:
+                raise DataError(f"no .txt files in {path}")
+            return datasets.Dataset.from_dict({"text": [f.read_text() for f in files]})
+        if path.suffix == ".txt":
+            docs = [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
+            return datasets.Dataset.from_dict({"text": docs})
+        if path.suffix in {".jsonl", ".json"}:
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+        if path.suffix == ".parquet":
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except DataError:
+        raise
+    except Exception as err:
+        raise DataError(f"could not read data source {path}: {err}") from err
+    raise DataError(f"unsupported data file {path} (use .txt, .jsonl, .parquet, .npy or a dataset folder)")
+
+
+def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, dtype) -> int:
+    """Tokenise `dataset` into the flat token file `out`; returns the token count."""
+    if "input_ids" in dataset.column_names:
+        ids = dataset.map(lambda batch: {"n": [len(x) for x in batch["input_ids"]]}, batched=True, desc="counting")
+    else:
+        if config.text_field not in dataset.column_names:
+            raise DataError(f"column {config.text_field!r} not in dataset (columns: {dataset.column_names})")
+
+        def encode(batch):
+            encoded = [tokenizer(t)["input_ids"] + [eot] for t in batch[config.text_field]]
+            return {"input_ids": encoded, "n": [len(x) for x in encoded]}
+
+        ids = dataset.map(
+            encode, batched=True, num_proc=config.num_proc if config.num_proc > 1 else None,
+            remove_columns=dataset.column_names, desc="tokenising",
+        )
+    total = int(np.sum(ids["n"], dtype=np.int64))
+    tmp = out.with_suffix(".tmp")
+    stream = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(total, 1),))
+    position = 0
+    for batch in ids.iter(batch_size=1024):
+        flat = np.fromiter((t for row in batch["input_ids"] for t in row), dtype=np.int64)
+        stream[position : position + len(flat)] = flat
+        position += len(flat)
+    stream.flush()
+    del stream
+    os.replace(tmp, out)
+    return total
+
+
+@dataclass
+class TokenData:
+    """Train and held-out tokens cut into sequences of `context_length`."""
+
+    train: np.ndarray  # (n_train, context) — a read-only memmap for cached streams
+    held_out: np.ndarray  # (n_held_out, context)
+    eot_token_id: int
+    description: str
+
+    @property
+    def context_length(self) -> int:
+        return self.train.shape[1]
+
+    def eval_batch(self, n_sequences: int) -> torch.Tensor:
+        """The first `n_sequences` held-out sequences (a deterministic choice)."""
+        return torch.from_numpy(self.held_out[:n_sequences].astype(np.int64))
+
+
+def _as_sequences(stream: np.ndarray, context: int, what: str) -> np.ndarray:
+    n = len(stream) // context
+    if n < 1:
+        raise DataError(f"the {what} data holds {len(stream)} tokens, fewer than one sequence of {context}")
+    return stream[: n * context].reshape(n, context)
+
+
+def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int) -> TokenData:
+    """Load (from cache when possible) the train and held-out sequences for `config`."""
+    eot = tokenizer.eos_token_id
+    if eot is None:
+        raise DataError("the tokenizer has no eos (EOT) token to separate documents")
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    if config.source.endswith(".npy"):
+        path = Path(config.source).expanduser()
+        if not path.is_file():
+            raise DataError(f"data source not found: {config.source}")
+        stream = np.load(path, mmap_mode="r")
+        if stream.ndim != 1 or stream.max(initial=0) >= vocab_size:
+            raise DataError(f"{path} must be a 1-D array of token ids below the vocabulary size {vocab_size}")
+        cut = len(stream) - max(context_length, int(len(stream) * config.val_fraction))
+        return TokenData(
+            _as_sequences(stream[:cut], context_length, "train"),
+            _as_sequences(stream[cut:], context_length, "held-out"),
+            eot, f"{path} (pre-tokenised)",
+        )
+    key_fields = {
+        "format": CACHE_FORMAT, "tokenizer": _tokenizer_fingerprint(tokenizer), "eot": eot,
+        **config.model_dump(include={"source", "revision", "split", "text_field", "val_fraction", "val_seed", "max_documents"}),
+    }
+    if Path(config.source).expanduser().exists():
+        stat = Path(config.source).expanduser().stat()
+        key_fields["local"] = [str(Path(config.source).expanduser().resolve()), stat.st_size, stat.st_mtime_ns]
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
+    folder = _cache_root(config) / key
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        train_docs, held_out_docs = _text_datasets(config)
+        folder.mkdir(parents=True, exist_ok=True)
+        counts = {
+            name: _write_tokens(docs, tokenizer, eot, config, folder / f"{name}.bin", dtype)
+            for name, docs in (("train", train_docs), ("held_out", held_out_docs))
+        }
+        meta_path.write_text(json.dumps({"key": key_fields, "tokens": counts, "dtype": np.dtype(dtype).name}, indent=1))
+    meta = json.loads(meta_path.read_text())
+    streams = {
+        name: np.memmap(folder / f"{name}.bin", dtype=meta["dtype"], mode="r", shape=(max(count, 1),))[:count]
+        for name, count in meta["tokens"].items()
+    }
+    if int(streams["train"].max(initial=0)) >= vocab_size:
+        raise DataError(f"token ids reach {int(streams['train'].max())}, beyond the model's vocabulary ({vocab_size})")
+    return TokenData(
+        _as_sequences(streams["train"], context_length, "train"),
+        _as_sequences(streams["held_out"], context_length, "held-out"),
+        eot, f"{config.source} ({meta['tokens']['train']:,} train / {meta['tokens']['held_out']:,} held-out tokens)",
+    )
+
+
+class StepBatches:
+    """Micro-batches indexed by (optimiser step, micro-step, rank): a pure function of the step.
+
+    Sequences are visited in a seeded random order that is reshuffled every epoch. Each step
+    consumes `sequences_per_step` sequences split over ranks and micro-steps, so a resumed run
+    (or a different number of ranks with the same global batch) sees the same data per step.
+    """
+
+    def __init__(self, sequences: np.ndarray, micro_batch_size: int, accumulation: int, world_size: int, seed: int):
+        self.sequences = sequences
+        self.micro_batch_size = micro_batch_size
+        self.accumulation = accumulation
+        self.world_size = world_size
+        self.seed = seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch_size * self.accumulation * self.world_size
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences))}
+        return self._orders[epoch]
+
+    def get(self, step: int, micro_step: int, rank: int) -> torch.Tensor:
+        """Input ids (micro_batch_size, context) for this rank's `micro_step` of `step`."""
+        first = step * self.sequences_per_step + (micro_step * self.world_size + rank) * self.micro_batch_size
+        n = len(self.sequences)
+        rows = [self._order((first + j) // n)[(first + j) % n] for j in range(self.micro_batch_size)]
+        # Sorted rows read a memory-mapped stream in order; the order inside a batch is irrelevant.
+        return torch.from_numpy(self.sequences[np.sort(rows)].astype(np.int64))

@@ -1,0 +1,126 @@
+"""The removal schedule as data: stages that expand to an ordered list of events.
+
+A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`, `ln_1qk`,
+`ln_1v`) switch one block at a time from block 0 up, `gap` steps apart; `ln_f` is one switch;
+`eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without
+`start` begins where the previous stage ends: previous start + (switches in it) · gap.
+An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
+at the value the EMA reached after step s − 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v")
+Kind = Literal["ln_2", "ln_1qk", "ln_1v", "ln_f", "eot_special", "pos0_special"]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run as asked."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One removal event: at `step`, switch `kind` (in block `layer` for per-layer kinds)."""
+
+    step: int
+    kind: str
+    layer: int | None = None
+
+    @property
+    def slot(self) -> str:
+        """The scale-state name this event switches (see `lnfree.surgery.scale_states`)."""
+        return f"blocks.{self.layer}.{self.kind}" if self.layer is not None else self.kind
+
+
+class Stage(BaseModel):
+    """One kind of norm, removed block by block (or at once) from `start`, `gap` steps apart."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Kind
+    start: int | None = Field(default=None, ge=0)
+    gap: int = Field(default=0, ge=0)
+
+
+class Schedule(BaseModel):
+    """An ordered list of removal stages."""
+
+    model_config = ConfigDict(extra="forbid")
+    stages: list[Stage]
+
+    def events(self, n_layer: int) -> list[Event]:
+        """Expand to events sorted by step (ties keep stage and block order)."""
+        events: list[Event] = []
+        start = 0
+        for stage in self.stages:
+            if stage.start is not None:
+                start = stage.start
+            if stage.kind in PER_LAYER_KINDS:
+                events += [Event(start + i * stage.gap, stage.kind, i) for i in range(n_layer)]
+                count = n_layer
+            else:
+                events.append(Event(start, stage.kind))
+                count = 1
+            start += count * stage.gap
+        return sorted(events, key=lambda e: e.step)
+
+    def check(self, n_layer: int, max_steps: int, special_pos0: bool = False, special_eot: bool = False) -> list[Event]:
+        """Validate against a model and a run length; return the events or raise ScheduleError."""
+        kinds = [stage.kind for stage in self.stages]
+        if len(set(kinds)) != len(kinds):
+            raise ScheduleError(f"each kind may appear once in a schedule, got {kinds}")
+        events = self.events(n_layer)
+        removals = [e for e in events if e.kind not in ("eot_special", "pos0_special")]
+        if not removals or n_layer < 1:
+            raise ScheduleError("this schedule removes no LayerNorm")
+        v_steps = [e.step for e in events if e.kind == "ln_1v"]
+        lnf = [e.step for e in events if e.kind == "ln_f"]
+        if lnf and (not v_steps or lnf[0] < max(v_steps)):
+            when = f"step {max(v_steps)}" if v_steps else "never"
+            raise ScheduleError(
+                f"ln_f is removed at step {lnf[0]}, before the last ln_1 V path ({when}); "
+                "remove ln_f after every block's ln_1"
+            )
+        for kind, enabled in (("pos0_special", special_pos0), ("eot_special", special_eot)):
+            if enabled and kind not in kinds:
+                raise ScheduleError(f"special σ '{kind}' is enabled but the schedule never turns it off")
+            if not enabled and kind in kinds:
+                raise ScheduleError(f"the schedule turns off '{kind}' but that special σ is not enabled")
+        last = events[-1].step
+        if last >= max_steps:
+            raise ScheduleError(f"the schedule's last event is at step {last}, but the run ends after {max_steps} steps")
+        return events
+
+    def describe(self, n_layer: int) -> str:
+        """A human-readable timeline: one line per stage with its first and last step."""
+        lines = []
+        events = self.events(n_layer)
+        for stage in self.stages:
+            steps = [e.step for e in events if e.kind == stage.kind]
+            span = f"step {steps[0]}" if len(set(steps)) == 1 else f"steps {steps[0]}–{steps[-1]} (every {stage.gap})"
+            what = f"{len(steps)} × {stage.kind}" if stage.kind in PER_LAYER_KINDS else stage.kind
+            lines.append(f"{what:>14}: {span}")
+        return "\n".join(lines)
+
+
+def derive_schedule(n_layer: int, start: int | None = None) -> Schedule:
+    """A schedule for any depth, following the published presets.
+
+    Up to 24 blocks: ln_2 from step 20, gaps 2/2/3 (as GPT-2 small and medium). Deeper models:
+    from step 30, gaps 4/4/6 (as GPT-2 large and XL). ln_f follows the last ln_1 V path.
+    """
+    shallow = n_layer <= 24
+    gaps = (2, 2, 3) if shallow else (4, 4, 6)
+    first = start if start is not None else (20 if shallow else 30)
+    return Schedule(
+        stages=[
+            Stage(kind="ln_2", start=first, gap=gaps[0]),
+            Stage(kind="ln_1qk", gap=gaps[1]),
+            Stage(kind="ln_1v", gap=gaps[2]),
+            Stage(kind="ln_f"),
+        ]
+    )
