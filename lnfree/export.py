@@ -49,8 +49,10 @@ def _set_norm(ln: torch.nn.LayerNorm, weight: torch.Tensor, bias: torch.Tensor, 
 def to_eps_trick(model: GPT2LMHeadModel, *, allow_partial: bool = False) -> GPT2LMHeadModel:
     """A plain fp32 `GPT2LMHeadModel` computing what the installed `model` computes.
 
-    Refuses a model with any real norm unless `allow_partial` (real norms then keep their own
-    eps, and the config keeps the original eps).
+    Refuses a model with any real norm unless `allow_partial`. A partial export keeps the
+    original eps in the config and lists its fixed-scale LayerNorms in
+    `config.lnfree_fixed_scale_norms`: plain `from_pretrained` rebuilds every norm with the
+    config's eps, so only a loader that reads that list (lnfree's) restores it exactly.
     """
     complete = surgery.is_fully_removed(model)
     if not complete and not allow_partial:
@@ -85,6 +87,10 @@ def to_eps_trick(model: GPT2LMHeadModel, *, allow_partial: bool = False) -> GPT2
     ln_f = model.transformer.ln_f
     _set_norm(plain.transformer.ln_f, ln_f.weight, ln_f.bias, ln_f.state)
     plain.tie_weights()
+    if not complete:
+        plain.config.lnfree_fixed_scale_norms = [
+            name for name, m in plain.named_modules() if isinstance(m, torch.nn.LayerNorm) and m.eps == EPS_TRICK_EPS
+        ]
     return plain
 
 

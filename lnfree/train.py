@@ -155,7 +155,9 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
     out = Path(config.output_dir)
     previous = out / RUN_CONFIG
     if previous.exists():
-        same = json.loads(previous.read_text()) == json.loads(config.model_dump_json())
+        # A run folder may have been moved: compare everything but where it lives.
+        stored = {**json.loads(previous.read_text()), "output_dir": config.output_dir}
+        same = stored == json.loads(config.model_dump_json())
         if resume and not same:
             raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
         if not resume and not overwrite:
@@ -235,7 +237,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
     if train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(accelerator.device)
     autocast, precision = _autocast_factory(config, accelerator.device)
     optimizer = make_optimizer(model, config)

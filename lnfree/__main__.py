@@ -1,0 +1,3 @@
+from lnfree.cli import app
+
+app()

@@ -1,0 +1,208 @@
+"""The `lnfree` command line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm from GPT-2 models by fine-tuning.")
+
+PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`).")
+CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config.")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _base_config(preset: str | None, config_file: Path | None, model: str | None):
+    from lnfree.config import load_config, load_preset, preset_names
+
+    if preset and config_file:
+        _fail("give either --preset or --config, not both")
+    if config_file:
+        return load_config(config_file)
+    if preset:
+        return load_preset(preset)
+    if model is None or model == "tiny":
+        return load_preset("tiny")
+    for name in preset_names():
+        candidate = load_preset(name)
+        if model in (name, candidate.model):
+            return candidate
+    # Any other GPT-2: the GPT-2 small hyperparameters, schedule and length derived from its depth.
+    generic = load_preset("gpt2")
+    return generic.model_copy(update={
+        "removal": generic.removal.model_copy(update={"schedule": None}),
+        "train": generic.train.model_copy(update={"max_steps": None}),
+        "output_dir": f"runs/{Path(model).name}",
+    })
+
+
+def _removal_lines(events: list[dict]) -> list[str]:
+    by_kind: dict[str, list[str]] = {}
+    for e in events:
+        kind = e["slot"].split(".")[-1]
+        layer = e["slot"].split(".")[1] if e["slot"].startswith("blocks.") else ""
+        by_kind.setdefault(kind, []).append(f"{'block ' + layer + ' ' if layer else ''}@{e['step']}")
+    return [f"  {kind:>12}: {', '.join(parts)}" for kind, parts in by_kind.items()]
+
+
+@app.command()
+def remove(
+    model: Annotated[Optional[str], typer.Option(help="Local folder or Hub id of a GPT-2 checkpoint (default: the bundled tiny model).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder.")] = None,
+    preset: Annotated[Optional[str], PRESET_OPT] = None,
+    config: Annotated[Optional[Path], CONFIG_OPT] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o")] = None,
+    mode: Annotated[Optional[str], typer.Option(help="'remove' or 'vanilla' (the control: no LN removed).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option()] = None,
+    tokens_per_step: Annotated[Optional[int], typer.Option()] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option()] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    control: Annotated[Optional[bool], typer.Option("--control/--no-control", help="Also run the vanilla control (default: on for the tiny model).")] = None,
+    override: Annotated[Optional[list[str]], typer.Option("--set", help="Any config field, e.g. --set train.aux_loss_weight=0.03")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its latest checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir.")] = False,
+) -> None:
+    """Fine-tune a GPT-2 while removing its LayerNorms one by one, then export it LN-free."""
+    from lnfree.config import with_overrides
+    from lnfree.export import write_export
+    from lnfree.train import run
+
+    try:
+        cfg = _base_config(preset, config, model)
+        named = {
+            "model": model, "data.source": data, "output_dir": output_dir, "removal.mode": mode,
+            "train.max_steps": max_steps, "train.tokens_per_step": tokens_per_step,
+            "train.micro_batch_size": micro_batch_size, "train.learning_rate": lr, "train.seed": seed,
+        }
+        cfg = with_overrides(cfg, {k: v for k, v in named.items() if v is not None})
+        cfg = with_overrides(cfg, override or [])
+    except (ValueError, FileNotFoundError) as err:
+        _fail(str(err))
+    if lr is not None and cfg.train.min_learning_rate > lr:
+        cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
+    run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
+    started = time.perf_counter()
+    try:
+        result = run(cfg, resume=resume, overwrite=overwrite)
+        control_result = None
+        if run_control:
+            control_cfg = with_overrides(cfg, {"removal.mode": "vanilla", "output_dir": str(Path(cfg.output_dir) / "control")})
+            control_resume = resume and (Path(control_cfg.output_dir) / "run_config.json").exists()
+            control_result = run(control_cfg, resume=control_resume, overwrite=False)
+    except ValueError as err:
+        _fail(str(err))
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return
+    out = result.output_dir
+    summary = {
+        "model": cfg.model,
+        "mode": cfg.removal.mode,
+        "held_out_ce": {"original": result.held_out_ce_start,
+                        ("ln_free" if cfg.removal.mode == "remove" else "vanilla"): result.held_out_ce_end},
+        "steps": result.config.train.max_steps,
+        "tokens": result.config.train.max_steps * cfg.train.tokens_per_step,
+        "removal_events": result.events,
+        "checkpoint": str(result.checkpoint),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    if control_result is not None:
+        summary["held_out_ce"]["vanilla"] = control_result.held_out_ce_end
+        summary["control_dir"] = str(control_result.output_dir)
+    if cfg.removal.mode == "remove":
+        export_dir = out / "export"
+        record = {"run_config": json.loads(result.config.model_dump_json()), "events": result.events,
+                  "held_out_ce": summary["held_out_ce"]}
+        from transformers import AutoTokenizer
+
+        write_export(result.model, AutoTokenizer.from_pretrained(out / "tokenizer"), export_dir, record, overwrite=True)
+        summary["export"] = str(export_dir)
+        summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    typer.echo(f"\n{cfg.model}: {summary['steps']} steps, {summary['tokens']:,} tokens, {summary['seconds']} s")
+    typer.echo("held-out cross-entropy (nats):")
+    for name, value in summary["held_out_ce"].items():
+        typer.echo(f"  {name:>12}: {value:.4f}")
+    if result.events:
+        typer.echo("removed (block @ step):")
+        typer.echo("\n".join(_removal_lines(result.events)))
+    if "export" in summary:
+        typer.echo(f"LN-free export: {summary['export']}")
+    typer.echo(f"summary: {out / 'summary.json'}")
+
+
+@app.command()
+def schedule(
+    preset: Annotated[Optional[str], PRESET_OPT] = None,
+    config: Annotated[Optional[Path], CONFIG_OPT] = None,
+    n_layer: Annotated[Optional[int], typer.Option(help="Depth to expand for (default: the preset's model).")] = None,
+    events: Annotated[bool, typer.Option("--events", help="List every event, not one line per stage.")] = False,
+) -> None:
+    """Print a preset's removal timeline."""
+    from lnfree.models import load_config as load_model_config
+    from lnfree.train import resolve_run
+
+    cfg = _base_config(preset, config, None)
+    if n_layer is None:
+        try:
+            n_layer = load_model_config(cfg.model).n_layer
+        except ValueError as err:
+            _fail(f"{err} (pass --n-layer)")
+    try:
+        cfg, timeline = resolve_run(cfg, n_layer)
+    except ValueError as err:
+        _fail(str(err))
+    typer.echo(f"{cfg.description or cfg.model} — {n_layer} blocks, {cfg.train.max_steps} steps")
+    if events:
+        for e in timeline:
+            typer.echo(f"  step {e.step:>5}: {e.slot}")
+    else:
+        typer.echo(cfg.removal.schedule.describe(n_layer))
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A run folder (its latest checkpoint) or a checkpoints/step_N folder.")],
+    out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick GPT2LMHeadModel to.")],
+    allow_partial: Annotated[bool, typer.Option(help="Export even if some norms are still real.")] = False,
+    overwrite: Annotated[bool, typer.Option()] = False,
+) -> None:
+    """Export a training checkpoint as a plain GPT-2 in the eps-trick format."""
+    from lnfree.export import load_checkpoint, write_export
+    from lnfree.train import latest_checkpoint
+
+    if (checkpoint / "run_config.json").exists():
+        checkpoint = latest_checkpoint(checkpoint) or _fail(f"no checkpoint in {checkpoint}")
+    try:
+        model, tokenizer, cfg = load_checkpoint(checkpoint)
+        if cfg.removal.mode != "remove":
+            _fail(f"{checkpoint} is a vanilla-control run: it has no removed norms to export")
+        record = {"run_config": json.loads(cfg.model_dump_json()), "checkpoint": str(checkpoint)}
+        write_export(model, tokenizer, out, record, allow_partial=allow_partial, overwrite=overwrite)
+    except ValueError as err:
+        _fail(str(err))
+    typer.echo(f"exported {checkpoint} → {out}")
+
+
+@app.command()
+def presets() -> None:
+    """List the shipped presets."""
+    from lnfree.config import load_preset, preset_names
+
+    for name in preset_names():
+        typer.echo(f"{name:>12}: {load_preset(name).description}")
+
+
+if __name__ == "__main__":
+    app()

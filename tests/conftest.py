@@ -1,0 +1,65 @@
+"""Shared fixtures: small random GPT-2 models and run configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+def small_gpt2(n_layer: int = 2, n_embd: int = 32, n_positions: int = 32, vocab_size: int = 64, seed: int = 0):
+    """A random GPT-2 without dropout, with LayerNorm affine parameters made non-trivial."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=4, n_positions=n_positions, vocab_size=vocab_size,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A local folder holding a random 2-layer GPT-2 and the tiny word-level tokenizer."""
+    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    model = small_gpt2(n_layer=2, n_embd=48, n_positions=64, vocab_size=len(tokenizer))
+    model.config.bos_token_id = model.config.eos_token_id = tokenizer.eos_token_id
+    folder = tmp_path_factory.mktemp("models") / "random-gpt2"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def quick_run_config(output_dir, model: str, cache_dir, **train):
+    """A RunConfig that fine-tunes `model` on the tiny corpus for a few steps."""
+    from lnfree.config import RunConfig
+
+    settings = {"max_steps": 16, "tokens_per_step": 8 * 64, "micro_batch_size": 4, "warmup_steps": 2,
+                "log_every": 1, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "sigma_init_batches": 2}
+    settings.update(train)
+    return RunConfig(
+        model=str(model), output_dir=str(output_dir),
+        data={"source": "tiny", "max_documents": 300, "val_fraction": 0.05, "context_length": 64,
+              "eval_sequences": 4, "cache_dir": str(cache_dir)},
+        train=settings,
+        removal={"schedule": {"stages": [
+            {"kind": "ln_2", "start": 2, "gap": 1}, {"kind": "ln_1qk", "gap": 1},
+            {"kind": "ln_1v", "gap": 2}, {"kind": "ln_f", "gap": 0}]}},
+    )
+
+
+@pytest.fixture
+def run_config(tmp_path, model_dir):
+    return lambda **train: quick_run_config(tmp_path / "run", model_dir, tmp_path / "cache", **train)

@@ -1,0 +1,86 @@
+"""Eps-trick export: a plain GPT2LMHeadModel that reproduces the LN-free model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import small_gpt2
+from transformers import AutoTokenizer, GPT2LMHeadModel
+
+from lnfree import surgery
+from lnfree.export import RECORD, ExportError, to_eps_trick, write_export
+
+
+def removed_model(seed=0, distinct_v_sigma=True):
+    model = surgery.install(small_gpt2(n_layer=3, seed=seed))
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(seed))
+    surgery.initialise_sigmas(model, [ids])
+    for name, state in surgery.scale_states(model).items():
+        if distinct_v_sigma and name.endswith("ln_1v"):
+            state.sigma.mul_(1.9)  # Q/K and V froze different σ
+        state.switch_to_fake()
+    return model
+
+
+@pytest.fixture
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_export_reloads_as_plain_gpt2_with_matching_logits(tmp_path, tokenizer):
+    model = removed_model()
+    write_export(model, tokenizer, tmp_path / "export", {"note": "test"})
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    assert type(plain.transformer.ln_f) is torch.nn.LayerNorm
+    assert plain.config.layer_norm_epsilon == 1e12
+    assert all(m.eps == 1e12 for m in plain.modules() if isinstance(m, torch.nn.LayerNorm))
+    ids = torch.randint(0, 64, (3, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        error = (plain(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    assert error <= 1e-4
+    record = json.loads((tmp_path / "export" / RECORD).read_text())
+    assert record["fully_removed"] and record["note"] == "test"
+    assert record["norms"]["blocks.2.ln_1v"]["sigma"] == pytest.approx(float(surgery.scale_states(model)["blocks.2.ln_1v"].sigma))
+    assert (tmp_path / "export" / "model.safetensors").exists()
+
+
+def test_export_without_the_v_ratio_fold_would_be_wrong():
+    """Guards the σ_qk/σ_v fold: exporting ln_1 at σ_qk alone must not match."""
+    model = removed_model()
+    plain = to_eps_trick(model)
+    ids = torch.randint(0, 64, (2, 16))
+    exact = (plain(input_ids=ids).logits - model(input_ids=ids).logits).abs().max()
+    naive = to_eps_trick(removed_model(distinct_v_sigma=False))
+    assert exact < 1e-4
+    assert (naive(input_ids=ids).logits - model(input_ids=ids).logits).abs().max() > 1e-2
+
+
+def test_partial_export_is_refused_unless_asked(tmp_path, tokenizer):
+    model = surgery.install(small_gpt2())
+    surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fake()
+    with pytest.raises(ExportError, match="still real"):
+        write_export(model, tokenizer, tmp_path / "out", {})
+    assert not (tmp_path / "out").exists()
+    write_export(model, tokenizer, tmp_path / "out", {}, allow_partial=True)
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    assert plain.config.layer_norm_epsilon == 1e-5
+    assert plain.config.lnfree_fixed_scale_norms == ["transformer.h.0.ln_2"]
+    for name in plain.config.lnfree_fixed_scale_norms:  # what a loader must do for a partial export
+        plain.get_submodule(name).eps = 1e12
+    ids = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_active_special_sigma_and_occupied_folders(tmp_path, tokenizer):
+    model = surgery.install(small_gpt2(), special_pos0=True)
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fake()
+    with pytest.raises(ExportError):
+        write_export(model, tokenizer, tmp_path / "a", {}, allow_partial=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("keep")
+    with pytest.raises(ExportError, match="not empty"):
+        write_export(removed_model(), tokenizer, tmp_path / "b", {})
+    assert (tmp_path / "b" / "x").read_text() == "keep"

@@ -1,0 +1,204 @@
+"""FakeLN modules and their installation into a transformers GPT-2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import small_gpt2
+
+from lnfree import surgery
+from lnfree.fakeln import FakeLayerNorm, NormalisedQKV
+from lnfree.schedule import Event
+
+
+def fixed_sigma_ln(x, weight, bias, sigma):
+    return (x - x.mean(-1, keepdim=True)) / sigma * weight + bias
+
+
+def make_fake_ln(d=16, **special):
+    ln = torch.nn.LayerNorm(d)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.normal_()
+    return ln, FakeLayerNorm.from_layernorm(ln, **special)
+
+
+def test_fake_ln_is_the_real_ln_until_switched_then_fixed_sigma():
+    torch.manual_seed(0)
+    ln, fake = make_fake_ln()
+    x = torch.randn(3, 5, 16) * 4
+    assert torch.equal(fake(x), ln(x))
+    fake.state.sigma.fill_(2.5)
+    fake.state.switch_to_fake()
+    expected = fixed_sigma_ln(x, ln.weight, ln.bias, 2.5)
+    torch.testing.assert_close(fake(x), expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(fake(x), ln(x), atol=1e-3)
+
+
+def test_ema_matches_hand_computation_and_ignores_eval_passes():
+    torch.manual_seed(0)
+    _, fake = make_fake_ln()
+    state = fake.state
+    state.sigma.fill_(1.0)
+    a, b = torch.randn(2, 4, 16) * 3, torch.randn(2, 4, 16) * 5
+
+    def mean_std(x):
+        return torch.sqrt(x.var(-1, unbiased=False) + state.eps).mean()
+
+    fake.eval()
+    fake(a)  # eval passes must not feed the EMA
+    assert state.stats.abs().sum() == 0
+    fake.train()
+    fake(a)
+    fake(b)
+    state.commit_ema(state.stats.clone(), momentum=0.9)
+    expected = 0.9 * 1.0 + 0.1 * (mean_std(a) + mean_std(b)) / 2
+    torch.testing.assert_close(state.sigma, expected)
+    frozen = state.sigma.clone()
+    state.switch_to_fake()
+    fake(b * 10)
+    state.commit_ema(state.stats.clone(), momentum=0.9)
+    assert torch.equal(state.sigma, frozen)
+
+
+def test_qk_and_v_paths_switch_independently():
+    torch.manual_seed(0)
+    model = small_gpt2(n_layer=1)
+    block = model.transformer.h[0]
+    ln_1, c_attn = copy.deepcopy(block.ln_1), copy.deepcopy(block.attn.c_attn)
+    qkv = NormalisedQKV(c_attn, ln_1)
+    x = torch.randn(2, 6, 32) * 3
+    reference = c_attn(ln_1(x))
+    torch.testing.assert_close(qkv(x), reference, rtol=0, atol=1e-6)
+    d = 32
+    qkv.qk.sigma.fill_(3.0)
+    qkv.qk.switch_to_fake()
+    out = qkv(x)
+    fixed_q = c_attn(fixed_sigma_ln(x, ln_1.weight, ln_1.bias, 3.0))
+    torch.testing.assert_close(out[..., : 2 * d], fixed_q[..., : 2 * d], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[..., 2 * d :], reference[..., 2 * d :], rtol=0, atol=1e-5)
+    qkv.v.sigma.fill_(0.5)
+    qkv.v.switch_to_fake()
+    fixed_v = c_attn(fixed_sigma_ln(x, ln_1.weight, ln_1.bias, 0.5))
+    torch.testing.assert_close(qkv(x)[..., 2 * d :], fixed_v[..., 2 * d :], rtol=0, atol=1e-5)
+    torch.testing.assert_close(qkv(x)[..., : 2 * d], fixed_q[..., : 2 * d], rtol=0, atol=1e-5)
+
+
+def test_position0_sigma_is_applied_per_position_not_per_channel():
+    model = small_gpt2(n_layer=1)
+    surgery.install(model, special_pos0=True)
+    ln_f = model.transformer.ln_f
+    ln_f.state.sigma.fill_(2.0)
+    ln_f.state.sigma_pos0.fill_(50.0)
+    ln_f.state.switch_to_fake()
+    captured = {}
+    ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    model(input_ids=torch.randint(0, 64, (2, 7)))
+    x, y = captured["x"], captured["y"]
+    torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, 50.0))
+    torch.testing.assert_close(y[:, 1:], fixed_sigma_ln(x[:, 1:], ln_f.weight, ln_f.bias, 2.0))
+    surgery.apply_event(model, Event(0, "pos0_special"))
+    model(input_ids=torch.randint(0, 64, (2, 7)))
+    x, y = captured["x"], captured["y"]
+    torch.testing.assert_close(y, fixed_sigma_ln(x, ln_f.weight, ln_f.bias, 2.0))
+
+
+def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
+    model = small_gpt2(n_layer=1)
+    surgery.install(model, special_eot=True, eot_token_id=5)
+    qkv = model.transformer.h[0].attn.c_attn
+    assert not qkv.qk.has_eot and qkv.v.has_eot
+    for state in (qkv.qk, qkv.v):
+        state.sigma.fill_(1.5)
+        state.switch_to_fake()
+    qkv.v.sigma_eot.fill_(9.0)
+    ids = torch.tensor([[1, 5, 2, 5, 3]])
+    captured = {}
+    qkv.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    model(input_ids=ids)
+    x, y = captured["x"], captured["y"]
+    d = 32
+    v_weight, v_bias = qkv.weight[:, 2 * d :], qkv.bias[2 * d :]
+    for position, sigma in enumerate([1.5, 9.0, 1.5, 9.0, 1.5]):
+        h = fixed_sigma_ln(x[0, position], qkv.norm_weight, qkv.norm_bias, sigma)
+        torch.testing.assert_close(y[0, position, 2 * d :], h @ v_weight + v_bias, rtol=1e-5, atol=1e-5)
+
+
+def fully_fake(model):
+    x = torch.randint(0, model.config.vocab_size, (4, 16))
+    surgery.initialise_sigmas(model, [x])
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fake()
+    return model
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_installed_model_matches_original_while_real_and_honours_attention_mask(removed):
+    base = small_gpt2()
+    model = surgery.install(copy.deepcopy(base))
+    ids = torch.randint(1, 64, (2, 10))
+    if not removed:
+        assert torch.equal(model(input_ids=ids).logits, base(input_ids=ids).logits)
+    else:
+        fully_fake(model)
+    # Left padding with an attention mask must give the unpadded logits at real positions.
+    padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=padded, attention_mask=mask, position_ids=position_ids).logits[:, 3:]
+    torch.testing.assert_close(out, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_kv_cache_matches_full_recompute():
+    model = fully_fake(surgery.install(small_gpt2()))
+    prompt = torch.randint(1, 64, (2, 5))
+    cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(cached, uncached)
+    # And greedy decoding by hand agrees.
+    ids = prompt
+    for _ in range(8):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(cached, ids)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_statistics():
+    ids = torch.randint(0, 64, (2, 12))
+    grads, stats = [], []
+    for checkpointing in (False, True):
+        model = surgery.install(small_gpt2())
+        surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fake()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        state = surgery.scale_states(model)["blocks.1.ln_2"]
+        stats.append(state.stats[0, 0] / state.stats[1, 0])
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(stats[0], stats[1])
+
+
+def test_state_dict_carries_removal_state():
+    model = fully_fake(surgery.install(small_gpt2()))
+    surgery.scale_states(model)["blocks.1.ln_1v"].sigma.fill_(7.0)
+    fresh = surgery.install(small_gpt2(seed=1))
+    assert not any(s.is_fake for s in surgery.scale_states(fresh).values())
+    fresh.load_state_dict(model.state_dict())
+    assert surgery.removal_state(fresh) == surgery.removal_state(model)
+    assert surgery.is_fully_removed(fresh)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
+    keys = fresh.state_dict().keys()
+    assert "transformer.h.0.attn.c_attn.qk.fake" in keys and "transformer.ln_f.state.sigma" in keys
+    assert not any(k.endswith(".stats") for k in keys)
+
+
+def test_install_refuses_other_models_and_double_installs():
+    model = surgery.install(small_gpt2())
+    with pytest.raises(ValueError, match="already"):
+        surgery.install(model)
+    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+        surgery.install(torch.nn.Linear(2, 2))

@@ -1,0 +1,95 @@
+"""Removal schedules: presets against the published table, derivation, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from lnfree.config import load_preset, preset_names, with_overrides
+from lnfree.schedule import Schedule, ScheduleError, Stage, derive_schedule
+from lnfree.train import resolve_run
+
+# DESIGN.md §1: layers, first ln_2 step, ln_f step, released step, peak LR, min LR, warm-up, aux weight.
+PUBLISHED = {
+    "gpt2": (12, 20, 104, 300, 6e-4, 3e-4, 25, 0.1),
+    "gpt2-medium": (24, 20, 188, 500, 6e-4, 3e-4, 10, 0.1),
+    "gpt2-large": (36, 30, 534, 600, 3e-4, 4e-5, 15, 0.03),
+    "gpt2-xl": (48, 50, 722, 800, 1e-4, 2e-5, 20, 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_reproduce_the_published_schedules(name):
+    n_layer, first_ln2, lnf, final, lr, min_lr, warmup, aux = PUBLISHED[name]
+    config = load_preset(name)
+    config, events = resolve_run(config, n_layer)
+    assert events[0].step == first_ln2 and events[0].slot == "blocks.0.ln_2"
+    assert events[-1].slot == "ln_f" and events[-1].step == lnf
+    assert config.train.max_steps == final
+    assert (config.train.learning_rate, config.train.min_learning_rate) == (lr, min_lr)
+    assert config.train.warmup_steps == warmup and config.train.aux_loss_weight == aux
+    assert config.train.tokens_per_step == 2**19
+    assert len(events) == 3 * n_layer + 1
+    order = [e.kind for e in events]
+    assert order == ["ln_2"] * n_layer + ["ln_1qk"] * n_layer + ["ln_1v"] * n_layer + ["ln_f"]
+    assert [e.layer for e in events[:n_layer]] == list(range(n_layer))
+
+
+def test_large_and_xl_stop_mid_cosine():
+    assert load_preset("gpt2-large").train.cosine_steps == 1200
+    assert load_preset("gpt2-xl").train.cosine_steps == 1200
+
+
+def test_all_presets_validate_including_tiny():
+    assert {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(preset_names())
+    tiny = load_preset("tiny")
+    resolve_run(tiny, 4)
+
+
+@pytest.mark.parametrize("n_layer", [1, 3, 12, 30, 60])
+def test_derived_schedule_works_for_any_depth(n_layer):
+    events = derive_schedule(n_layer).check(n_layer, max_steps=10_000)
+    assert len(events) == 3 * n_layer + 1 and events[-1].kind == "ln_f"
+    assert events == sorted(events, key=lambda e: e.step)
+
+
+def test_derived_schedule_matches_small_and_xl_spacing():
+    assert derive_schedule(12).events(12)[-1].step == 104
+    assert [s.gap for s in derive_schedule(48).stages[:3]] == [4, 4, 6]
+
+
+def test_gap_zero_removes_a_whole_kind_at_one_step():
+    schedule = Schedule(stages=[Stage(kind="ln_2", start=5), Stage(kind="ln_1qk"), Stage(kind="ln_1v"), Stage(kind="ln_f")])
+    assert {e.step for e in schedule.check(6, max_steps=6)} == {5}
+
+
+def test_refuses_schedules_that_cannot_run():
+    with pytest.raises(ScheduleError, match="removes no"):
+        Schedule(stages=[]).check(4, 100)
+    with pytest.raises(ScheduleError, match="before the last ln_1 V"):
+        Schedule(stages=[Stage(kind="ln_2", start=1, gap=1), Stage(kind="ln_f", start=3),
+                         Stage(kind="ln_1v", start=4, gap=1)]).check(4, 100)
+    with pytest.raises(ScheduleError, match="before the last ln_1 V"):
+        Schedule(stages=[Stage(kind="ln_2", start=1, gap=1), Stage(kind="ln_f")]).check(4, 100)
+    with pytest.raises(ScheduleError, match="run ends after 50"):
+        derive_schedule(12).check(12, max_steps=50)
+    with pytest.raises(ScheduleError, match="never turns it off"):
+        derive_schedule(2).check(2, 100, special_eot=True)
+    with pytest.raises(ScheduleError, match="once"):
+        Schedule(stages=[Stage(kind="ln_2"), Stage(kind="ln_2")]).check(2, 100)
+
+
+def test_resolving_a_preset_with_too_few_steps_is_an_error_before_training():
+    config = with_overrides(load_preset("gpt2"), ["train.max_steps=100"])
+    with pytest.raises(ScheduleError, match="ends after 100"):
+        resolve_run(config, 12)
+
+
+def test_overrides_reach_any_field_and_reject_unknown_keys():
+    config = with_overrides(load_preset("gpt2"), ["train.learning_rate=1e-4", "train.min_learning_rate=1e-5",
+                                                  "data.source=/tmp/x.jsonl", "removal.mode=vanilla"])
+    assert config.train.learning_rate == 1e-4 and config.data.source == "/tmp/x.jsonl"
+    assert config.removal.mode == "vanilla"
+    with pytest.raises(ValueError, match="unknown config key"):
+        with_overrides(config, ["train.learning_rat=1"])
+    with pytest.raises(ValueError):
+        with_overrides(config, ["train.max_steps=-3"])

@@ -1,0 +1,114 @@
+"""The fine-tuning run: exact resume, the vanilla control, and clear errors before any output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import BertConfig
+
+from lnfree import surgery
+from lnfree.config import with_overrides
+from lnfree.data import DataError
+from lnfree.export import load_checkpoint
+from lnfree.models import ModelError
+from lnfree.train import RunError, latest_checkpoint, run
+
+
+def records(path, after_resume=False):
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    if after_resume:
+        lines = lines[max(i for i, r in enumerate(lines) if r.get("event") == "resume") + 1 :]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+def test_resume_from_mid_removal_checkpoint_is_exact(run_config, tmp_path):
+    config = run_config(save_every=5)
+    full = run(config, progress=False)
+    assert [c.name for c in sorted((full.output_dir / "checkpoints").iterdir())] == [
+        "step_000005", "step_000010", "step_000015", "step_000016"]
+    # Mid-removal at step 5: both ln_2 and block 0's ln_1 Q/K are fake, the rest real.
+    state = json.loads((full.output_dir / "checkpoints/step_000005/trainer_state.json").read_text())["removal_state"]
+    assert [name for name, s in state.items() if s["fake"]] == ["blocks.0.ln_1qk", "blocks.0.ln_2", "blocks.1.ln_2"]
+
+    moved = tmp_path / "moved"
+    shutil.copytree(full.output_dir, moved)
+    for later in ("step_000010", "step_000015", "step_000016"):
+        shutil.rmtree(moved / "checkpoints" / later)
+    resumed = run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)
+
+    original, continued = records(full.output_dir / "log.jsonl"), records(moved / "log.jsonl", after_resume=True)
+    assert sorted(continued) == list(range(6, 17))
+    for step in continued:
+        assert continued[step]["loss"] == pytest.approx(original[step]["loss"], rel=1e-6, abs=1e-7), step
+    assert surgery.removal_state(resumed.model) == surgery.removal_state(full.model)
+    assert resumed.held_out_ce_end == pytest.approx(full.held_out_ce_end, rel=1e-6)
+    assert surgery.is_fully_removed(full.model)
+
+
+def test_checkpoint_reloads_with_its_removal_state(run_config):
+    result = run(run_config(max_steps=12), progress=False)
+    model, tokenizer, config = load_checkpoint(latest_checkpoint(result.output_dir))
+    assert surgery.removal_state(model) == surgery.removal_state(result.model)
+    ids = torch.randint(0, len(tokenizer), (2, 20))
+    result.model.eval()
+    torch.testing.assert_close(model(input_ids=ids).logits, result.model(input_ids=ids).logits)
+
+
+def test_ema_does_not_move_during_evaluation_passes(run_config):
+    """Evaluating every step must leave σ exactly as a run without evaluation."""
+    plain = run(run_config(max_steps=12), progress=False)
+    evaluated = run(with_overrides(run_config(max_steps=12, eval_every=1), {"output_dir": str(plain.output_dir) + "-eval"}),
+                    progress=False)
+    assert surgery.removal_state(plain.model) == surgery.removal_state(evaluated.model)
+
+
+def test_vanilla_control_removes_nothing_and_sees_the_same_first_loss(run_config):
+    removal = run(run_config(max_steps=12), progress=False)
+    control = run(with_overrides(run_config(max_steps=12), {"removal.mode": "vanilla", "output_dir": str(removal.output_dir) + "-v"}),
+                  progress=False)
+    assert not surgery.is_installed(control.model) and control.events == []
+    first = lambda r: records(r.output_dir / "log.jsonl")[1]["loss"]  # noqa: E731
+    assert first(control) == pytest.approx(first(removal), rel=1e-6)  # nothing removed before step 2
+
+
+def test_refuses_bad_inputs_before_writing_anything(run_config, tmp_path):
+    bert = tmp_path / "bert"
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(bert)
+    config = run_config()
+    with pytest.raises(ModelError, match="is a bert model; lnfree supports the GPT-2 architecture only"):
+        run(with_overrides(config, {"model": str(bert)}), progress=False)
+    with pytest.raises(DataError, match="not found"):
+        run(with_overrides(config, {"data.source": str(tmp_path / "missing.jsonl")}), progress=False)
+    with pytest.raises(RunError, match="tokens_per_step"):
+        run(with_overrides(config, {"train.tokens_per_step": 1000}), progress=False)
+    with pytest.raises(ValueError, match="run ends after"):
+        run(with_overrides(config, {"train.max_steps": 5}), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_refuses_tokenizer_that_does_not_fit_the_model(model_dir, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(model_dir)
+    model.resize_token_embeddings(10)
+    model.save_pretrained(tmp_path / "small-vocab")
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "small-vocab")
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path / "small-vocab")
+    from lnfree.models import load_base
+
+    with pytest.raises(ModelError, match="tokens but the model's vocabulary is 10"):
+        load_base(str(tmp_path / "small-vocab"))
+
+
+def test_output_dir_holding_another_run_is_an_error(run_config):
+    first = run(run_config(max_steps=12), progress=False)
+    with pytest.raises(RunError, match="this same run"):
+        run(run_config(max_steps=12), progress=False)
+    with pytest.raises(RunError, match="a different run"):
+        run(run_config(max_steps=13), progress=False)
+    with pytest.raises(RunError, match="different config"):
+        run(run_config(max_steps=13), resume=True, progress=False)
+    assert (first.output_dir / "checkpoints" / "step_000012").exists()
