@@ -198,6 +198,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     output folder is touched.
     """
     accelerator = Accelerator(
+        cpu=not torch.accelerator.is_available(),  # lets torchrun start gloo processes on CPU-only hosts
         mixed_precision="no",  # autocast is applied explicitly below; weights stay fp32
         log_with=config.train.report_to or None,
         project_dir=config.output_dir,

@@ -1,0 +1,24 @@
+"""Run under torchrun: one lnfree run, then gather every rank's σ into a JSON file (rank 0)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lnfree import surgery
+from lnfree.config import RunConfig
+from lnfree.train import run
+
+config = RunConfig.model_validate_json(open(sys.argv[1]).read())
+result = run(config, progress=False)
+sigmas = torch.stack([state.sigmas() for state in surgery.scale_states(result.model).values()])
+gathered = [torch.zeros_like(sigmas) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered, sigmas)
+flags = [torch.zeros(len(surgery.scale_states(result.model))) for _ in range(dist.get_world_size())]
+dist.all_gather(flags, torch.tensor([float(s.is_fake) for s in surgery.scale_states(result.model).values()]))
+if dist.get_rank() == 0:
+    with open(sys.argv[2], "w") as f:
+        json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+                   "sigmas": [g.tolist() for g in gathered], "fake": [f.tolist() for f in flags],
+                   "held_out_ce_end": result.held_out_ce_end}, f)

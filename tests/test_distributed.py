@@ -1,0 +1,41 @@
+"""Two CPU processes (gloo) must remove LayerNorm exactly as one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lnfree import surgery
+from lnfree.config import with_overrides
+from lnfree.train import run
+
+
+def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_path):
+    config = run_config(max_steps=14, micro_batch_size=4)  # 8 sequences a step: 1 micro-step × 2 ranks
+    config_file = tmp_path / "dist.json"
+    config_file.write_text(with_overrides(config, {"output_dir": str(tmp_path / "dist-run")}).model_dump_json())
+    result_file = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    worker = Path(__file__).with_name("dist_worker.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(worker), str(config_file), str(result_file)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    rank0, rank1 = (torch.tensor(s) for s in result["sigmas"])
+    assert torch.equal(rank0, rank1)
+    assert all(all(flag == 1.0 for flag in rank) for rank in result["fake"])
+
+    single = run(config, progress=False)
+    single_sigmas = torch.stack([s.sigmas() for s in surgery.scale_states(single.model).values()])
+    torch.testing.assert_close(rank0, single_sigmas, rtol=1e-4, atol=0)
+    assert result["held_out_ce_end"] == pytest.approx(single.held_out_ce_end, rel=1e-3)
