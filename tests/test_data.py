@@ -1,0 +1,105 @@
+"""Data: packing with EOT between documents, the sources, the cache and step-indexed batches."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lnfree.config import DataConfig
+from lnfree.data import DataError, StepBatches, prepare_data
+
+
+@pytest.fixture
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+DOCS = ["Mary went to the park .", "John gave a ball to Mary .", "the dog ran home .", "Mary and John went home ."] * 10
+
+
+def config(source, tmp_path, **kw):
+    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), val_fraction=0.1, **kw)
+
+
+def test_documents_are_joined_with_eot_and_eot_stays_a_target(tokenizer, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    data = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    eot = tokenizer.eos_token_id
+    stream = np.concatenate([data.train.reshape(-1), data.held_out.reshape(-1)])
+    assert (stream == eot).sum() >= 30
+    # Every document is followed by EOT: the token after each EOT starts a known document.
+    starts = {tokenizer(d)["input_ids"][0] for d in DOCS}
+    flat = data.train.reshape(-1)
+    assert all(flat[i + 1] in starts for i in np.flatnonzero(flat[:-1] == eot))
+    # Held-out CE scores every next token, EOT included (no label masking).
+    import contextlib
+
+    from conftest import small_gpt2
+
+    from lnfree.train import held_out_ce
+
+    model = small_gpt2(vocab_size=len(tokenizer))
+    ids = data.eval_batch(2)
+    logits = model(input_ids=ids).logits[:, :-1]
+    manual = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    assert (ids[:, 1:] == eot).any()
+    assert held_out_ce(model, data, 2, 2, contextlib.nullcontext).item() == pytest.approx(manual.item(), rel=1e-6)
+
+
+def test_txt_folder_txt_file_parquet_and_npy_sources(tokenizer, tmp_path):
+    (tmp_path / "folder").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "folder" / f"{i:03}.txt").write_text(d)
+    (tmp_path / "one.txt").write_text("\n\n".join(DOCS))
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(tmp_path / "docs.parquet"))
+    counts = set()
+    for source in ("folder", "one.txt", "docs.parquet"):
+        data = prepare_data(config(tmp_path / source, tmp_path), tokenizer, 8, len(tokenizer))
+        counts.add(data.train.size + data.held_out.size)
+    assert len(counts) == 1  # the same documents, the same token count
+    stream = np.arange(1000, dtype=np.uint16) % 50
+    np.save(tmp_path / "tokens.npy", stream)
+    data = prepare_data(config(tmp_path / "tokens.npy", tmp_path), tokenizer, 10, len(tokenizer))
+    assert np.array_equal(data.train.reshape(-1), stream[: data.train.size])
+    assert data.held_out.shape[1] == 10
+
+
+def test_missing_or_bad_sources_are_clear_errors(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        prepare_data(config(tmp_path / "nope.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n{"body": "y"}\n{"body": "z"}\n')
+    with pytest.raises(DataError, match="column 'text'"):
+        prepare_data(config(tmp_path / "bad.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    np.save(tmp_path / "big.npy", np.full(100, 10_000, dtype=np.int64))
+    with pytest.raises(DataError, match="below the vocabulary"):
+        prepare_data(config(tmp_path / "big.npy", tmp_path), tokenizer, 8, len(tokenizer))
+
+
+def test_cache_is_reused_and_keyed_by_source(tokenizer, tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    first = prepare_data(config(tmp_path / "a.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    folders = list((tmp_path / "cache").iterdir())
+    again = prepare_data(config(tmp_path / "a.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    assert list((tmp_path / "cache").iterdir()) == folders and np.array_equal(first.train, again.train)
+    prepare_data(config(tmp_path / "a.jsonl", tmp_path, val_seed=1), tokenizer, 8, len(tokenizer))
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_step_batches_are_a_pure_function_of_the_step_and_split_over_ranks():
+    sequences = np.arange(40 * 4).reshape(40, 4)
+    one = StepBatches(sequences, micro_batch_size=2, accumulation=4, world_size=1, seed=3)
+    two = StepBatches(sequences, micro_batch_size=2, accumulation=2, world_size=2, seed=3)
+    for step in (0, 4, 7):  # step 5+ crosses into a second, reshuffled epoch
+        seen_one = torch.cat([one.get(step, m, 0) for m in range(4)])
+        seen_two = torch.cat([two.get(step, m, r) for m in range(2) for r in range(2)])
+        assert sorted(seen_one[:, 0].tolist()) == sorted(seen_two[:, 0].tolist())
+        assert len(set(seen_one[:, 0].tolist())) == 8
+    assert torch.equal(one.get(6, 1, 0), StepBatches(sequences, 2, 4, 1, seed=3).get(6, 1, 0))
+    epoch0 = torch.cat([one.get(s, m, 0) for s in range(5) for m in range(4)])[:, 0]
+    assert sorted(epoch0.tolist()) == list(range(0, 160, 4))  # every sequence once per epoch
