@@ -35,9 +35,10 @@ def _base_config(preset: str | None, config_file: Path | None, model: str | None
         candidate = load_preset(name)
         if model in (name, candidate.model):
             return candidate
-    # Any other GPT-2: the GPT-2 small hyperparameters, schedule and length derived from its depth.
+    # Any other GPT-2: the GPT-2 small hyperparameters; context, schedule and length from the model.
     generic = load_preset("gpt2")
     return generic.model_copy(update={
+        "data": generic.data.model_copy(update={"context_length": None}),
         "removal": generic.removal.model_copy(update={"schedule": None}),
         "train": generic.train.model_copy(update={"max_steps": None}),
         "output_dir": f"runs/{Path(model).name}",
