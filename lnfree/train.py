@@ -241,12 +241,8 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(accelerator.device)
     autocast, precision = _autocast_factory(config, accelerator.device)
-    optimizer = make_optimizer(model, config)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    bare = accelerator.unwrap_model(model)
     batches = StepBatches(data.train, train.micro_batch_size, accumulation, world, train.seed)
     momentum = train.sigma_momentum ** (batches.sequences_per_step / train.sigma_momentum_sequences)
-    eval_ce = lambda: held_out_ce(bare, data, config.data.eval_sequences, train.micro_batch_size, autocast)  # noqa: E731
     log_path = out / "log.jsonl"
 
     def log(record: dict) -> None:
@@ -256,6 +252,22 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             if train.report_to:
                 accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
 
+    if not resume:  # measured on the plain module, before any DDP/FSDP wrapping
+        ce_start = held_out_ce(model, data, config.data.eval_sequences, train.micro_batch_size, autocast).item()
+        if removing:
+            init = (batches.get(0, i % accumulation, accelerator.process_index).to(accelerator.device)
+                    for i in range(train.sigma_init_batches))
+            surgery.initialise_sigmas(model, init)
+        if accelerator.is_main_process:
+            (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
+        log({"event": "start", "step": 0, "held_out_ce": ce_start, "mode": config.removal.mode, "precision": precision,
+             "processes": world, "accumulation": accumulation, "data": data.description,
+             "sigma_momentum_per_step": momentum})
+
+    optimizer = make_optimizer(model, config)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    bare = accelerator.unwrap_model(model)
+    eval_ce = lambda: held_out_ce(model, data, config.data.eval_sequences, train.micro_batch_size, autocast)  # noqa: E731
     start_step = 0
     if resume:
         checkpoint = latest_checkpoint(out)
@@ -265,17 +277,6 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         start_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
         ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
-    else:
-        ce_start = eval_ce().item()
-        if removing:
-            init = (batches.get(0, i % accumulation, accelerator.process_index).to(accelerator.device)
-                    for i in range(train.sigma_init_batches))
-            surgery.initialise_sigmas(bare, init)
-        if accelerator.is_main_process:
-            (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
-        log({"event": "start", "step": 0, "held_out_ce": ce_start, "mode": config.removal.mode, "precision": precision,
-             "processes": world, "accumulation": accumulation, "data": data.description,
-             "sigma_momentum_per_step": momentum})
     if train.report_to:
         accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
 
