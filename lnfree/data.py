@@ -111,7 +111,7 @@ def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, d
             raise DataError(f"column {config.text_field!r} not in dataset (columns: {dataset.column_names})")
 
         def encode(batch):
-            encoded = [tokenizer(t)["input_ids"] + [eot] for t in batch[config.text_field]]
+            encoded = [tokenizer(t, verbose=False)["input_ids"] + [eot] for t in batch[config.text_field]]
             return {"input_ids": encoded, "n": [len(x) for x in encoded]}
 
         ids = dataset.map(
