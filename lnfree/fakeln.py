@@ -114,11 +114,15 @@ class ScaleState(nn.Module):
         return self.pos0_on or self.eot_on
 
     # ----- statistics -----
-    def observe(self, x: torch.Tensor) -> None:
-        """Accumulate the per-token std of `x` (no autograd, no host sync)."""
+    def token_std(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token std of `x` as LayerNorm computes it, detached, shape (batch, seq)."""
         with torch.no_grad():
             std = torch.sqrt(x.detach().float().var(dim=-1, unbiased=False) + self.eps)
-            flat = std.reshape(-1, std.shape[-1]) if std.dim() > 1 else std[None]
+        return std.reshape(-1, std.shape[-1]) if std.dim() > 1 else std[None]
+
+    def observe(self, flat: torch.Tensor) -> None:
+        """Accumulate per-token stds `flat` (batch, seq) into the statistics (no host sync)."""
+        with torch.no_grad():
             if not self.wants_context:
                 self.stats[0, GENERAL] += flat.sum()
                 self.stats[1, GENERAL] += flat.numel()
@@ -182,10 +186,13 @@ class ScaleState(nn.Module):
         """LayerNorm of `x` with this state's scale."""
         if not self.is_fake:
             if self.training or self.collecting:
-                self.observe(x)
+                self.observe(self.token_std(x))
             return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
         centred = x - x.mean(dim=-1, keepdim=True)
-        return centred / self.token_sigma(x.shape[:-1]).to(x.dtype) * weight + bias
+        sigma = self.token_sigma(x.shape[:-1])
+        if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
+            return torch.addcmul(bias, centred, weight / sigma)
+        return torch.addcmul(bias, centred / sigma.to(x.dtype), weight)
 
 
 class FakeLayerNorm(nn.Module):
@@ -236,8 +243,9 @@ class NormalisedQKV(nn.Module):
         flat = x.reshape(-1, self.nx)
         if self._paths_share_norm():
             if self.training or self.qk.collecting:
-                self.qk.observe(x)
-                self.v.observe(x)
+                std = self.qk.token_std(x)
+                self.qk.observe(std)
+                self.v.observe(std)
             h = F.layer_norm(flat, (self.nx,), self.norm_weight, self.norm_bias, self.qk.eps)
             return torch.addmm(self.bias, h, self.weight).view(shape)
         split = 2 * self.nx
