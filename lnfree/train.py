@@ -252,6 +252,8 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             if train.report_to:
                 accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
 
+    if train.report_to:
+        accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
     if not resume:  # measured on the plain module, before any DDP/FSDP wrapping
         ce_start = held_out_ce(model, data, config.data.eval_sequences, train.micro_batch_size, autocast).item()
         if removing:
@@ -277,9 +279,6 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         start_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
         ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
-    if train.report_to:
-        accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
-
     lnf_input = LnfInput(bare.transformer.ln_f)
     eps = bare.config.layer_norm_epsilon
     events_by_step: dict[int, list[Event]] = {}

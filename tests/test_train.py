@@ -112,3 +112,15 @@ def test_output_dir_holding_another_run_is_an_error(run_config):
     with pytest.raises(RunError, match="different config"):
         run(run_config(max_steps=13), resume=True, progress=False)
     assert (first.output_dir / "checkpoints" / "step_000012").exists()
+
+
+def test_bf16_autocast_with_fp32_master_weights_and_checkpointing(run_config):
+    """The GPU code path (bf16 autocast, activation checkpointing) exercised on CPU."""
+    result = run(run_config(max_steps=12, mixed_precision="bf16", gradient_checkpointing=True), progress=False)
+    assert all(p.dtype == torch.float32 for p in result.model.parameters())
+    start = json.loads((result.output_dir / "log.jsonl").read_text().splitlines()[0])
+    assert start["precision"] == "bf16"
+    losses = [r["loss"] for r in records(result.output_dir / "log.jsonl").values()]
+    assert all(torch.isfinite(torch.tensor(losses))) and surgery.is_fully_removed(result.model)
+    fp32 = run(with_overrides(run_config(max_steps=12), {"output_dir": str(result.output_dir) + "-fp32"}), progress=False)
+    assert result.held_out_ce_end == pytest.approx(fp32.held_out_ce_end, abs=0.05)
