@@ -197,6 +197,30 @@ def export(
 
 
 @app.command()
+def verify(
+    source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any GPT-2 folder / Hub id.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the JSON report.")] = Path("verify.json"),
+    tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| accepted (fp32).")] = 1e-4,
+    seed: Annotated[int, typer.Option(help="Seed of the sample tokens.")] = 0,
+) -> None:
+    """Compare every representation of a checkpoint with lnfree's exact form; exit 1 beyond tolerance."""
+    from lnfree.verify import verify as run_verify, write_report
+
+    try:
+        report = run_verify(source, tolerance=tolerance, seed=seed)
+    except (ValueError, OSError) as err:
+        _fail(str(err))
+    write_report(report, out)
+    typer.echo(report["repr"])
+    for name, check in report["checks"].items():
+        value = "n/a" if check["max_abs_diff"] is None else f"{check['max_abs_diff']:.2e}"
+        typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}  {check['note']}")
+    typer.echo(f"report: {out}")
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
 def presets() -> None:
     """List the shipped presets."""
     from lnfree.config import load_preset, preset_names

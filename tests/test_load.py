@@ -1,0 +1,112 @@
+"""`lnfree.load` and `lnfree verify`: every kind of checkpoint, loaded exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import small_gpt2
+from transformers import AutoTokenizer, GPT2LMHeadModel
+
+from lnfree import surgery
+from lnfree.export import RECORD, write_export
+from lnfree.load import LoadError, load
+from lnfree.verify import verify
+
+
+@pytest.fixture
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def removed(tokenizer, n_layer=3):
+    model = surgery.install(small_gpt2(n_layer=n_layer, vocab_size=len(tokenizer)))
+    ids = torch.randint(0, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(1))
+    surgery.initialise_sigmas(model, [ids])
+    for name, state in surgery.scale_states(model).items():
+        if name.endswith("ln_1v"):
+            state.sigma.mul_(1.6)
+        state.switch_to_fake()
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.randint(0, 400, (3, 24), generator=torch.Generator().manual_seed(7))
+
+
+def test_export_loads_exactly_with_its_sigmas(tokenizer, tmp_path):
+    model = removed(tokenizer)
+    write_export(model, tokenizer, tmp_path / "export", {})
+    loaded = load(tmp_path / "export")
+    assert loaded.kind == "lnfree export" and loaded.fully_ln_free
+    assert "LN-free: 10/10 norms fixed-scale" in repr(loaded)
+    for name, entry in surgery.removal_state(model).items():
+        assert loaded.norms[name]["sigma"] == pytest.approx(entry["sigma"], rel=1e-6)
+    reference = logits(model, IDS)
+    assert (logits(loaded.hf(), IDS) - reference).abs().max() <= 1e-5
+    assert (logits(loaded.folded(), IDS) - reference).abs().max() <= 1e-5
+
+
+def test_published_format_with_config_eps_left_at_1e5_loads_exactly(tokenizer, tmp_path):
+    model = removed(tokenizer)
+    write_export(model, tokenizer, tmp_path / "pub", {})
+    (tmp_path / "pub" / RECORD).unlink()  # published checkpoints carry no lnfree record
+    config = json.loads((tmp_path / "pub" / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-5
+    (tmp_path / "pub" / "config.json").write_text(json.dumps(config))
+    naive = GPT2LMHeadModel.from_pretrained(tmp_path / "pub").eval()
+    assert (logits(naive, IDS) - logits(model, IDS)).abs().max() > 1.0  # the trap
+    loaded = load(tmp_path / "pub")
+    assert loaded.kind == "eps-trick checkpoint" and loaded.fully_ln_free
+    assert all(n["sigma"] is None for n in loaded.norms.values())  # σ is folded into the weights
+    assert (logits(loaded.hf(), IDS) - logits(model, IDS)).abs().max() <= 1e-5
+    report = verify(tmp_path / "pub", bridge=False)
+    assert not report["ok"] and not report["checks"]["transformers.from_pretrained"]["ok"]
+    assert report["checks"]["folded"]["ok"] and report["checks"]["dla_reconstruction"]["ok"]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])
+def test_low_precision_loads_never_overflow(tokenizer, tmp_path, dtype, tolerance):
+    model = removed(tokenizer)
+    write_export(model, tokenizer, tmp_path / "export", {})
+    loaded = load(tmp_path / "export", dtype=dtype)
+    assert all(p.dtype == dtype and torch.isfinite(p).all() for p in loaded.model.parameters())
+    out = logits(loaded.hf(), IDS).float()
+    assert torch.isfinite(out).all()
+    assert (out - logits(model, IDS)).abs().max() <= tolerance
+
+
+def test_ordinary_gpt2_loads_with_real_norms(model_dir):
+    loaded = load(model_dir)
+    assert loaded.kind == "GPT-2" and not any(n["fixed"] for n in loaded.norms.values())
+    assert "original LayerNorm" in repr(loaded)
+    plain = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    assert torch.equal(logits(loaded.hf(), IDS), logits(plain, IDS))
+    with pytest.raises(LoadError, match="only fixed-scale norms can be folded"):
+        loaded.folded()
+
+
+def test_folded_model_refuses_save_pretrained(tokenizer, tmp_path):
+    write_export(removed(tokenizer), tokenizer, tmp_path / "export", {})
+    folded = load(tmp_path / "export").folded()
+    assert folded.lm_head.bias is not None and isinstance(folded.transformer.ln_f, torch.nn.Identity)
+    with pytest.raises(TypeError, match="cannot be saved"):
+        folded.save_pretrained(tmp_path / "folded")
+    assert not (tmp_path / "folded").exists()
+
+
+def test_verify_passes_a_good_export_and_fails_a_corrupted_one(tokenizer, tmp_path):
+    write_export(removed(tokenizer), tokenizer, tmp_path / "export", {})
+    good = verify(tmp_path / "export", bridge=False)
+    assert good["ok"], good["checks"]
+    assert good["checks"]["dla_reconstruction"]["max_abs_diff"] <= 1e-4
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-5  # corrupt: the config no longer says eps 1e12
+    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
+    bad = verify(tmp_path / "export", bridge=False)
+    assert not bad["ok"] and "config eps" in bad["checks"]["transformers.from_pretrained"]["note"]
