@@ -221,6 +221,27 @@ def verify(
 
 
 @app.command()
+def push(
+    export_dir: Annotated[Path, typer.Argument(help="An lnfree export folder.")],
+    repo_id: Annotated[str, typer.Option("--repo-id", help="USER/NAME on the Hugging Face Hub.")],
+    private: Annotated[bool, typer.Option(help="Create the repository as private.")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only write the folder that would be uploaded.")] = False,
+    dry_run_dir: Annotated[Optional[Path], typer.Option(help="Where --dry-run writes (default: EXPORT-hub).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite a branch that already holds files.")] = False,
+) -> None:
+    """Verify an export and publish it with a model card (token from `hf auth login` or HF_TOKEN)."""
+    from lnfree.hub import push as run_push
+
+    try:
+        where = run_push(export_dir, repo_id, private=private, revision=revision, dry_run=dry_run,
+                         dry_run_dir=dry_run_dir, force=force)
+    except (ValueError, OSError) as err:
+        _fail(str(err))
+    typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")
+
+
+@app.command()
 def presets() -> None:
     """List the shipped presets."""
     from lnfree.config import load_preset, preset_names

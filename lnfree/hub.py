@@ -1,0 +1,169 @@
+"""Publishing LN-free exports to the Hugging Face Hub with a model card.
+
+`push` verifies the export (`lnfree.verify`), assembles the exact folder to upload (the export,
+a `README.md` model card written through `ModelCard`/`ModelCardData`, and the verify report),
+then `create_repo` + `upload_folder`. The token is whatever huggingface_hub finds (login or
+`HF_TOKEN`); lnfree never reads, prints or logs it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+
+from lnfree.export import RECORD
+from lnfree.verify import verify, write_report
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+A LayerNorm-free version of [{{ base_model }}]({{ base_link }}): every LayerNorm's per-token
+division was frozen to a fixed scale σ one norm at a time during fine-tuning
+([lnfree](https://pypi.org/project/lnfree/), after Heimersheim 2024, arXiv 2409.13710, and
+Baroni et al. 2025, arXiv 2507.02559). The model is a plain `GPT2LMHeadModel` in the eps-trick
+format: every norm has eps = 1e12 and weight = w·1e6/σ, so it computes (x − mean)/σ · w + b.
+Load it in **fp32** (the 1e6-scaled weights overflow fp16; `lnfree.load` folds them first).
+
+## Use
+
+```python
+from transformers import GPT2LMHeadModel
+model = GPT2LMHeadModel.from_pretrained("{{ repo_id }}")  # fp32
+
+import lnfree.load
+loaded = lnfree.load.load("{{ repo_id }}")  # knows every norm's σ; any dtype
+folded = loaded.folded()                     # exactly LN-free weights, identity norms
+bridge = loaded.bridge()                     # TransformerLens 4 TransformerBridge, exact
+```
+
+## Removal
+
+{{ summary }}
+
+| step | norm | σ |
+|---|---|---|
+{% for row in events %}| {{ row.step }} | {{ row.slot }} | {{ row.sigma }} |
+{% endfor %}
+## Verification (`lnfree verify`)
+
+| check | max abs Δ logits |
+|---|---|
+{% for name, check in checks.items() %}| {{ name }} | {{ check }} |
+{% endfor %}
+Run configuration: see `lnfree_removal.json` in this repository.
+"""
+
+
+class PushError(ValueError):
+    """An export that cannot be pushed as asked."""
+
+
+def base_license(base_model: str) -> str | None:
+    """The license of the base model: 'mit' for lnfree's own tiny model, else from its card."""
+    if base_model == "tiny":
+        return "mit"
+    local = Path(base_model) / "README.md"
+    try:
+        card = ModelCard.load(local) if local.is_file() else ModelCard.load(base_model)
+        return card.data.license
+    except Exception:  # no card, or no network: the card then says nothing about the license
+        return None
+
+
+def build_card(export_dir: Path, repo_id: str, report: dict) -> ModelCard:
+    """The model card of an export: metadata, schedule and σ table, eval results, load snippets."""
+    record = json.loads((export_dir / RECORD).read_text())
+    run = record.get("run_config", {})
+    base_model = run.get("model", "unknown")
+    data_source = run.get("data", {}).get("source", "unknown")
+    eval_results = []
+    for name, value in (record.get("held_out_ce") or {}).items():
+        if name == "ln_free":
+            eval_results.append(EvalResult(
+                task_type="text-generation", dataset_type=data_source, dataset_name=f"{data_source} (held-out)",
+                dataset_split="held-out", metric_type="cross_entropy", metric_name="held-out cross-entropy (nats)",
+                metric_value=round(value, 4)))
+    card_data = ModelCardData(
+        base_model=None if base_model == "tiny" else base_model,
+        datasets=None if data_source == "tiny" or Path(data_source).exists() else [data_source],
+        license=base_license(base_model),
+        pipeline_tag="text-generation",
+        library_name="transformers",
+        tags=["layernorm-free", "lnfree", "gpt2", "interpretability"],
+        model_name=repo_id.split("/")[-1],
+        eval_results=eval_results or None,
+    )
+    events = [{"step": e["step"], "slot": e["slot"], "sigma": f"{e['sigma']:.6g}" if "sigma" in e else "—"}
+              for e in record.get("events", [])]
+    if not events:
+        events = [{"step": "—", "slot": name, "sigma": f"{n['sigma']:.6g}"} for name, n in record.get("norms", {}).items()]
+    checks = {name: "n/a" if c["max_abs_diff"] is None else f"{c['max_abs_diff']:.2e}" for name, c in report["checks"].items()}
+    ce = record.get("held_out_ce") or {}
+    summary = (f"Fine-tuned for {run.get('train', {}).get('max_steps', '?')} steps on `{data_source}`. "
+               + (" Held-out cross-entropy (nats): " + ", ".join(f"{k} {v:.4f}" for k, v in ce.items()) + "." if ce else ""))
+    return ModelCard.from_template(
+        card_data, template_str=CARD_TEMPLATE, model_name=card_data.model_name, repo_id=repo_id,
+        base_model=base_model, base_link=f"https://huggingface.co/{base_model}", events=events, checks=checks,
+        summary=summary,
+    )
+
+
+def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path) -> Path:
+    """Verify `export_dir` and write the exact folder that would be uploaded to `out`."""
+    export_dir, out = Path(export_dir), Path(out)
+    if not (export_dir / RECORD).is_file():
+        raise PushError(f"{export_dir} is not an lnfree export (no {RECORD}); create one with `lnfree export`")
+    report = verify(export_dir)
+    if not report["ok"]:
+        failed = [name for name, c in report["checks"].items() if not c["ok"]]
+        raise PushError(f"{export_dir} fails lnfree verify ({', '.join(failed)}); refusing to push it")
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(export_dir, out, ignore=shutil.ignore_patterns(".*"))
+    build_card(export_dir, repo_id, report).save(out / "README.md")
+    write_report(report, out / "verify.json")
+    return out
+
+
+def push(
+    export_dir: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    dry_run: bool = False,
+    dry_run_dir: str | Path | None = None,
+    force: bool = False,
+    api: HfApi | None = None,
+) -> str:
+    """Publish an export; returns the commit URL, or the dry-run folder's path.
+
+    Refuses an export that fails `verify`, and an existing repo branch that already holds files
+    unless `force`.
+    """
+    if dry_run:
+        folder = Path(dry_run_dir or f"{Path(export_dir).as_posix().rstrip('/')}-hub")
+        return str(prepare_folder(export_dir, repo_id, folder))
+    api = api or HfApi()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = prepare_folder(export_dir, repo_id, Path(tmp) / "upload")
+        api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
+        branch = revision or "main"
+        if revision and not api.revision_exists(repo_id, revision, repo_type="model"):
+            api.create_branch(repo_id, branch=revision, repo_type="model")
+        else:
+            existing = [f for f in api.list_repo_files(repo_id, revision=branch, repo_type="model") if f != ".gitattributes"]
+            if existing and not force:
+                raise PushError(f"{repo_id}@{branch} already holds {len(existing)} files; pass --force to overwrite them")
+        commit = api.upload_folder(
+            repo_id=repo_id, folder_path=folder, revision=revision, repo_type="model",
+            commit_message="Upload LN-free model (lnfree)",
+        )
+    return str(getattr(commit, "commit_url", commit))

@@ -1,0 +1,107 @@
+"""Publishing: the dry-run folder, the model card, and the Hub calls (network calls replaced)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard
+from transformers import AutoTokenizer
+
+from lnfree import surgery
+from lnfree.export import write_export
+from lnfree.hub import PushError, push
+from lnfree.verify import verify
+
+
+@pytest.fixture
+def export(tmp_path, model_dir):
+    from conftest import small_gpt2
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = surgery.install(small_gpt2(n_layer=2, vocab_size=len(tokenizer)))
+    surgery.initialise_sigmas(model, [torch.randint(0, len(tokenizer), (2, 16))])
+    events = []
+    for step, (name, state) in enumerate(surgery.scale_states(model).items()):
+        state.switch_to_fake()
+        events.append({"step": step, "slot": name, "sigma": float(state.sigma)})
+    record = {"run_config": {"model": "tiny", "data": {"source": "tiny"}, "train": {"max_steps": 9}},
+              "events": events, "held_out_ce": {"original": 1.5, "ln_free": 1.49, "vanilla": 1.48}}
+    return write_export(model, tokenizer, tmp_path / "export", record)
+
+
+class RecordingApi(HfApi):
+    """HfApi with every network call replaced by a recorder."""
+
+    def __init__(self, existing_files=(), branch_exists=True):
+        super().__init__(token=False)
+        self.calls = []
+        self.existing_files = list(existing_files)
+        self.branch_exists = branch_exists
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def revision_exists(self, repo_id, revision, **kwargs):
+        self.calls.append(("revision_exists", repo_id, revision))
+        return self.branch_exists
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", repo_id, kwargs))
+
+    def list_repo_files(self, repo_id, **kwargs):
+        self.calls.append(("list_repo_files", repo_id, kwargs))
+        return [".gitattributes", *self.existing_files]
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+        self.uploaded = sorted(p.name for p in kwargs["folder_path"].iterdir())
+        return "https://huggingface.co/user/tiny-lnfree/commit/abc"
+
+
+def test_dry_run_folder_passes_verify_and_its_card_round_trips(export, tmp_path):
+    folder = push(export, "user/tiny-lnfree", dry_run=True, dry_run_dir=tmp_path / "upload")
+    assert verify(folder)["ok"]
+    card = ModelCard.load(tmp_path / "upload" / "README.md")
+    assert "layernorm-free" in card.data.tags and card.data.pipeline_tag == "text-generation"
+    assert card.data.license == "mit"
+    assert card.data.eval_results[0].metric_value == pytest.approx(1.49)
+    assert "GPT2LMHeadModel.from_pretrained(\"user/tiny-lnfree\")" in card.text
+    assert "blocks.1.ln_1v" in card.text and "dla_reconstruction" in card.text
+    assert json.loads((tmp_path / "upload" / "verify.json").read_text())["ok"]
+
+
+def test_push_creates_repo_and_uploads_the_verified_folder(export):
+    api = RecordingApi()
+    url = push(export, "user/tiny-lnfree", private=True, api=api)
+    names = [c[0] for c in api.calls]
+    assert names == ["create_repo", "list_repo_files", "upload_folder"]
+    assert api.calls[0][2] == {"private": True, "repo_type": "model", "exist_ok": True}
+    assert api.calls[2][2]["revision"] is None and "README.md" in api.uploaded and "model.safetensors" in api.uploaded
+    assert url.endswith("/commit/abc")
+
+
+def test_push_refuses_to_overwrite_a_branch_without_force(export):
+    with pytest.raises(PushError, match="--force"):
+        push(export, "user/tiny-lnfree", api=RecordingApi(existing_files=["model.safetensors"]))
+    api = RecordingApi(existing_files=["model.safetensors"])
+    push(export, "user/tiny-lnfree", force=True, api=api)
+    assert api.calls[-1][0] == "upload_folder"
+
+
+def test_push_to_a_new_branch_creates_it(export):
+    api = RecordingApi(branch_exists=False)
+    push(export, "user/tiny-lnfree", revision="step-300", api=api)
+    assert ("create_branch", "user/tiny-lnfree", {"branch": "step-300", "repo_type": "model"}) in api.calls
+    assert api.calls[-1][2]["revision"] == "step-300"
+
+
+def test_push_refuses_an_export_that_fails_verify(export):
+    config = json.loads((export / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-5
+    (export / "config.json").write_text(json.dumps(config))
+    api = RecordingApi()
+    with pytest.raises(PushError, match="fails lnfree verify"):
+        push(export, "user/tiny-lnfree", api=api)
+    assert api.calls == []
