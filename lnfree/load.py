@@ -93,18 +93,38 @@ class LoadedModel:
         if self.fully_ln_free:
             return bridge.bridge_from_folded(self.folded(), self.tokenizer)
         if any(n["fixed"] for n in self.norms.values()):
-            raise LoadError(
-                "a partially removed model has no exact TransformerLens form yet: fixed-scale and real "
-                "norms cannot be mixed in one bridge; export it fully removed or use hf()/folded()"
-            )
-        return bridge.bridge_from_layernorm(plain_copy(self.model), self.tokenizer)
+            return bridge.bridge_with_own_norms(with_norm_modules(self.model), self.tokenizer)
+        return bridge.bridge_from_layernorm(with_norm_modules(self.model), self.tokenizer)
 
 
-def plain_copy(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
-    """An ordinary GPT2LMHeadModel (real LayerNorms) with the weights of an all-real installed model."""
-    from lnfree.export import to_eps_trick
+@torch.no_grad()
+def with_norm_modules(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
+    """The installed model in GPT-2's own layout: ln_1 back in its slot and `c_attn` a Conv1D.
 
-    return to_eps_trick(model, allow_partial=True)
+    Real norms become `nn.LayerNorm`s, fixed-scale ones `FakeLayerNorm`s. A block whose ln_1
+    Q/K path is fixed while its V path is real has no such layout and is refused.
+    """
+    from lnfree.export import EPS_TRICK_EPS, ExportError, to_eps_trick
+    from lnfree.fakeln import FakeLayerNorm
+
+    try:
+        plain = to_eps_trick(model, allow_partial=True)
+    except ExportError as err:
+        raise LoadError(f"this model has no GPT-2 layout: {err}") from err
+    eps = model.config.layer_norm_epsilon
+
+    def convert(ln: nn.LayerNorm) -> nn.Module:
+        if ln.eps < EPS_TRICK_EPS:
+            return ln
+        fixed = FakeLayerNorm(ln.weight / EPS_TRICK_SCALE, ln.bias, ScaleState(eps).to(ln.weight.device))
+        fixed.state.switch_to_fake()
+        return fixed
+
+    for block in plain.transformer.h:
+        block.ln_1, block.ln_2 = convert(block.ln_1), convert(block.ln_2)
+    plain.transformer.ln_f = convert(plain.transformer.ln_f)
+    plain.config.layer_norm_epsilon = eps
+    return plain.to(next(model.parameters()).dtype)
 
 
 def _centred(weight_in_out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

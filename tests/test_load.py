@@ -110,3 +110,33 @@ def test_verify_passes_a_good_export_and_fails_a_corrupted_one(tokenizer, tmp_pa
     (tmp_path / "export" / "config.json").write_text(json.dumps(config))
     bad = verify(tmp_path / "export", bridge=False)
     assert not bad["ok"] and "config eps" in bad["checks"]["transformers.from_pretrained"]["note"]
+
+
+def test_checkpoints_at_every_stage_load_exactly_in_every_representation(run_config):
+    from lnfree.train import run
+
+    result = run(run_config(max_steps=12, save_every=2), progress=False)
+    checkpoints = result.output_dir / "checkpoints"
+    ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(3))
+    stages = {
+        "step_000002": (0, True),   # before any removal
+        "step_000004": (2, True),   # every ln_2 fixed, ln_1 real
+        "step_000006": (4, False),  # mid ln_1: Q/K fixed, V real — no single-input GPT-2 layout
+        "step_000010": (6, True),   # everything but ln_f
+        "step_000012": (7, True),   # after ln_f: LN-free
+    }
+    for name, (fixed, bridgeable) in stages.items():
+        loaded = load(checkpoints / name)
+        assert loaded.kind == "lnfree checkpoint"
+        assert sum(n["fixed"] for n in loaded.norms.values()) == fixed, name
+        reference = logits(loaded.hf(), ids)
+        if bridgeable:
+            bridge_logits = loaded.bridge()(ids)
+            assert (bridge_logits - reference).abs().max() <= 1e-4, name
+        else:
+            with pytest.raises(LoadError, match="Q/K and V paths differ"):
+                loaded.bridge()
+        report = verify(checkpoints / name, bridge=bridgeable)
+        assert report["ok"], (name, report["checks"])
+    final = load(result.output_dir)  # a run folder means its latest checkpoint
+    assert final.fully_ln_free and (logits(final.folded(), ids) - logits(final.hf(), ids)).abs().max() <= 1e-4

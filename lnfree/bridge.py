@@ -1,0 +1,464 @@
+"""TransformerLens (4.x) bridges around GPT-2 models, with or without LayerNorm.
+
+TransformerLens 4 dropped ``HookedTransformer``; its analysis object is ``TransformerBridge``, which
+wraps a live Hugging Face module and exposes the familiar hook points (``run_with_cache``,
+``run_with_hooks``, ``hooks``) and weight views (``W_U``, ``b_U``, ``W_O``...).  This module builds
+bridges for the two kinds of model lnfree deals with, without ever touching the network:
+
+* :func:`bridge_from_folded` -- an *exactly LayerNorm-free* ``GPT2LMHeadModel`` whose ``ln_1``,
+  ``ln_2`` and ``ln_f`` are ``nn.Identity`` (the fixed scales and affine parameters folded into
+  ``c_attn``, ``c_fc`` and an untied ``lm_head`` that may carry a bias).  The bridge has
+  ``cfg.normalization_type = None`` and pass-through norm slots, so its logits equal the HF model's
+  and the residual stream decomposes linearly into logits.
+* :func:`bridge_from_layernorm` -- an ordinary GPT-2 with real ``nn.LayerNorm`` modules (any eps,
+  including the "eps-trick" export with ``eps=1e12`` and huge weights).  By default the bridge is put
+  in compatibility mode (``fold_ln`` + centring of the writing weights), the coordinate system in
+  which direct logit attribution through the final LayerNorm's scale is meaningful.
+
+Helpers for analyses: :func:`bridge_logits`, :func:`hook_name` (the exact hook-point names),
+:func:`residual_decomposition` and :func:`direct_logit_attribution` (exact per-component logit
+contributions for both kinds of bridge).
+
+TransformerLens 4.3 APIs used
+-----------------------------
+* ``transformer_lens.model_bridge.sources._bridge_builder.build_bridge_from_module(model,
+  "GPT2LMHeadModel", hf_config=..., post_adapter_hook=...)`` builds a bridge from an in-memory
+  module.  (``TransformerBridge.boot_transformers(name)`` would download from the Hub.)
+* ``post_adapter_hook(adapter)`` swaps the three norm slots of the GPT-2 adapter's
+  ``component_mapping`` (``"ln_final"``, and ``"ln1"``/``"ln2"`` in ``component_mapping["blocks"]
+  .submodules``) for plain ``GeneralizedComponent`` pass-throughs and sets
+  ``adapter.cfg.normalization_type = None`` -- exactly what TL's own native adapter does for
+  norm-free models (``supported_architectures/native.py``, ``_make_norm_bridge``).
+* ``TransformerBridge.enable_compatibility_mode(disable_warnings=True, center_unembed=...)``.
+* ``TransformerBridge.set_use_attn_result(True)`` before reading per-head ``attn.hook_result``.
+* ``TransformerBridge.hooks(fwd_hooks=..., bwd_hooks=...)`` (context manager) for caching and
+  gradients, and the weight views ``W_U``, ``b_U``, ``blocks[l].attn.b_O``.
+* ``transformer_lens.model_bridge.sources._bridge_builder.detect_tokenizer_bos_eos``.
+
+Traps found (TL 4.3.0, transformers 5.23)
+-----------------------------------------
+* ``build_bridge_from_module`` rewires the module tree it is given in place (bridge components
+  replace submodules; compatibility mode rewrites weights): always give it a deep copy.
+* Passing ``tokenizer=`` to ``build_bridge_from_module`` runs ``get_tokenizer_with_bos``, which
+  *reloads* the tokenizer with ``AutoTokenizer.from_pretrained(init_kwargs["name_or_path"])`` --
+  a Hub call for a tokenizer loaded by name, and a ``KeyError: 'name_or_path'`` for a tokenizer
+  built in memory.  We build without a tokenizer and attach a copy afterwards (see
+  :func:`_attach_tokenizer`).
+* ``NormalizationBridge`` does not call the wrapped LayerNorm in the default mode: it recomputes
+  a LayerNorm from ``cfg.eps`` (taken from ``config.layer_norm_epsilon``), ignoring the module's
+  own ``eps``.  A model whose LN modules' eps differs from its config (e.g. an eps-trick model with
+  a stale config) gives logits off by ~1e5.  We set the bridge config's eps from the modules.
+  It also cannot wrap an ``nn.Identity`` (``AttributeError``), hence the pass-through slots.
+* ``enable_compatibility_mode`` centres the unembedding by default, which shifts every position's
+  logits by a constant (log-probabilities are unchanged, raw logits are not).  We default to
+  ``center_unembed=False`` so the bridge's logits equal the HF model's.  After ``fold_ln`` the
+  bridge's LN modules have weight 1 / bias 0 but ``cfg.normalization_type`` stays ``"LN"``.
+* The bridge re-implements GPT-2 attention itself (after splitting ``c_attn``): it always scales
+  scores by ``1/sqrt(d_head)`` and ignores ``config.scale_attn_weights=False`` (logits then differ
+  by ~1e-3).  Such configs are rejected.  ``scale_attn_by_inverse_layer_idx`` and
+  ``reorder_and_upcast_attn`` are honoured.
+* A hook function's ``hook.name`` is often not the name it was registered under: legacy names are
+  aliases, and e.g. ``blocks.0.hook_resid_pre`` fires as ``blocks.0.hook_in`` in both modes, while
+  ``hook_embed``, ``blocks.0.attn.hook_z`` and ``blocks.0.mlp.hook_post`` fire as ``embed.hook_out``,
+  ``blocks.0.attn.o.hook_in`` and ``blocks.0.mlp.out.hook_in`` outside compatibility mode only.
+  ``run_with_cache(names_filter=[...])`` likewise stores canonical keys.  Key results by your own
+  variables (closures), as :func:`residual_decomposition` does.
+* ``enable_compatibility_mode`` on a LN-free bridge skips the LN fold and the writing-weight
+  centring (``normalization_type`` is None) but still centres the unembedding unless told not to.
+* The per-head ``hook_result`` exists only while ``cfg.use_attn_result`` is on (toggle with
+  ``set_use_attn_result``); heads summed plus ``blocks[l].attn.b_O`` give ``hook_attn_out``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from transformers import GPT2LMHeadModel
+
+__all__ = [
+    "ARCHITECTURE",
+    "HOOK_NAMES",
+    "ResidualDecomposition",
+    "bridge_from_folded",
+    "bridge_from_layernorm",
+    "bridge_logits",
+    "direct_logit_attribution",
+    "hook_name",
+    "is_layernorm_free",
+    "residual_decomposition",
+]
+
+#: Architecture key of TL's GPT-2 adapter in its ``ArchitectureAdapterFactory``.
+ARCHITECTURE = "GPT2LMHeadModel"
+
+#: Hook-point names (TL 4.3 legacy-compatible aliases; they resolve in both modes).
+HOOK_NAMES: dict[str, str] = {
+    "embed": "hook_embed",  # [batch, pos, d_model]
+    "pos_embed": "hook_pos_embed",  # [batch, pos, d_model]
+    "resid_pre": "blocks.{layer}.hook_resid_pre",  # [batch, pos, d_model]
+    "resid_mid": "blocks.{layer}.hook_resid_mid",  # [batch, pos, d_model]
+    "resid_post": "blocks.{layer}.hook_resid_post",  # [batch, pos, d_model]
+    "attn_out": "blocks.{layer}.hook_attn_out",  # [batch, pos, d_model], includes b_O
+    "mlp_out": "blocks.{layer}.hook_mlp_out",  # [batch, pos, d_model], includes b_out
+    "q": "blocks.{layer}.attn.hook_q",  # [batch, pos, head, d_head]
+    "k": "blocks.{layer}.attn.hook_k",  # [batch, pos, head, d_head]
+    "v": "blocks.{layer}.attn.hook_v",  # [batch, pos, head, d_head]
+    "z": "blocks.{layer}.attn.hook_z",  # [batch, pos, head, d_head]
+    "result": "blocks.{layer}.attn.hook_result",  # [batch, pos, head, d_model]; needs use_attn_result
+    "attn_scores": "blocks.{layer}.attn.hook_attn_scores",  # [batch, head, q_pos, k_pos]
+    "pattern": "blocks.{layer}.attn.hook_pattern",  # [batch, head, q_pos, k_pos]
+    "mlp_pre": "blocks.{layer}.mlp.hook_pre",  # [batch, pos, d_mlp]
+    "mlp_post": "blocks.{layer}.mlp.hook_post",  # [batch, pos, d_mlp]
+    "ln1_scale": "blocks.{layer}.ln1.hook_scale",  # [batch, pos, 1]; LN bridges only
+    "ln2_scale": "blocks.{layer}.ln2.hook_scale",  # [batch, pos, 1]; LN bridges only
+    "ln_final_in": "ln_final.hook_in",  # [batch, pos, d_model]: the final residual stream
+    "ln_final_scale": "ln_final.hook_scale",  # [batch, pos, 1]; LN bridges only
+    "logits": "unembed.hook_out",  # [batch, pos, d_vocab]
+}
+
+
+def hook_name(kind: str, layer: Optional[int] = None) -> str:
+    """The bridge hook-point name for ``kind`` (a key of :data:`HOOK_NAMES`) at ``layer``."""
+    try:
+        template = HOOK_NAMES[kind]
+    except KeyError:
+        raise KeyError(f"unknown hook kind {kind!r}; known: {sorted(HOOK_NAMES)}") from None
+    if "{layer}" in template:
+        if layer is None:
+            raise ValueError(f"hook kind {kind!r} needs a layer index")
+        return template.format(layer=layer)
+    return template
+
+
+# ----------------------------------------------------------------------------------------------
+# Building bridges
+# ----------------------------------------------------------------------------------------------
+
+
+def _build_bridge_from_module():
+    # Imported lazily: transformer_lens is heavy to import, and only this module needs it.
+    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+
+    return build_bridge_from_module
+
+
+def _check_gpt2(model: nn.Module) -> None:
+    if not isinstance(model, GPT2LMHeadModel):
+        raise TypeError(f"expected a transformers GPT2LMHeadModel, got {type(model).__name__}")
+    if not getattr(model.config, "scale_attn_weights", True):
+        raise ValueError(
+            "config.scale_attn_weights=False is not supported: TransformerLens' GPT-2 bridge always "
+            "scales attention scores by 1/sqrt(d_head)"
+        )
+
+
+def _attach_tokenizer(bridge: Any, tokenizer: Any) -> None:
+    """Give ``bridge`` a copy of ``tokenizer`` without TL's reload-from-``name_or_path`` step."""
+    if tokenizer is None:
+        return
+    from transformer_lens.model_bridge.sources._bridge_builder import detect_tokenizer_bos_eos
+
+    tok = copy.deepcopy(tokenizer)  # TL sets pad/bos tokens in place; keep the caller's intact
+    if tok.eos_token is None:
+        raise ValueError("the tokenizer needs an eos_token")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.bos_token is None:
+        tok.bos_token = tok.eos_token
+    if tok.padding_side is None:
+        tok.padding_side = "right"
+    if len(tok) > bridge.cfg.d_vocab:
+        raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {bridge.cfg.d_vocab}")
+    bridge.cfg.tokenizer_prepends_bos, bridge.cfg.tokenizer_appends_eos = detect_tokenizer_bos_eos(tok)
+    bridge.tokenizer = tok  # first assignment: only infers d_vocab if unset (it is set)
+    driver = getattr(bridge, "_driver", None)
+    if driver is not None and hasattr(driver, "tokenizer"):
+        driver.tokenizer = tok
+
+
+def _norm_slots(model: GPT2LMHeadModel) -> list[tuple[str, nn.Module]]:
+    slots = []
+    for i, block in enumerate(model.transformer.h):
+        slots.append((f"transformer.h.{i}.ln_1", block.ln_1))
+        slots.append((f"transformer.h.{i}.ln_2", block.ln_2))
+    slots.append(("transformer.ln_f", model.transformer.ln_f))
+    return slots
+
+
+def is_layernorm_free(model: GPT2LMHeadModel) -> bool:
+    """True when every ``ln_1``, ``ln_2`` and ``ln_f`` of ``model`` is an ``nn.Identity``."""
+    return all(isinstance(module, nn.Identity) for _, module in _norm_slots(model))
+
+
+def _pass_through_norms(adapter: Any) -> None:
+    """``post_adapter_hook``: make the GPT-2 adapter's three norm slots pass-through components."""
+    from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
+
+    adapter.cfg.normalization_type = None
+    mapping = adapter.component_mapping
+    mapping["ln_final"] = GeneralizedComponent(name="transformer.ln_f", config=adapter.cfg)
+    blocks = mapping["blocks"]
+    blocks.submodules["ln1"] = GeneralizedComponent(name="ln_1", config=adapter.cfg)
+    blocks.submodules["ln2"] = GeneralizedComponent(name="ln_2", config=adapter.cfg)
+
+
+def bridge_from_folded(model: GPT2LMHeadModel, tokenizer: Any = None) -> Any:
+    """An exact ``TransformerBridge`` around an LN-free GPT-2 (norms folded away).
+
+    ``model``'s ``ln_1``/``ln_2``/``ln_f`` must all be ``nn.Identity``; its ``lm_head`` may be an
+    untied ``nn.Linear`` with a bias (the folded ``ln_f`` bias), which the bridge's unembedding
+    applies (``bridge.b_U``).  The bridge has ``cfg.normalization_type = None`` and its ``ln1``,
+    ``ln2`` and ``ln_final`` are pass-throughs (they only fire ``hook_in``/``hook_out``).  The
+    caller's model and tokenizer are not modified.
+    """
+    _check_gpt2(model)
+    not_free = [name for name, module in _norm_slots(model) if not isinstance(module, nn.Identity)]
+    if not_free:
+        raise ValueError(f"model is not LayerNorm-free: {', '.join(not_free)} are not nn.Identity")
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"lm_head must be an nn.Linear, got {type(head).__name__}")
+    d_vocab, d_model = head.weight.shape
+    if d_model != model.config.n_embd or d_vocab != model.config.vocab_size:
+        raise ValueError(
+            f"lm_head maps {d_model} -> {d_vocab}, expected {model.config.n_embd} -> {model.config.vocab_size}"
+        )
+
+    return _pass_through_bridge(model, tokenizer)
+
+
+def bridge_with_own_norms(model: GPT2LMHeadModel, tokenizer: Any = None) -> Any:
+    """An exact ``TransformerBridge`` whose norm slots call ``model``'s own norm modules.
+
+    For partially LN-free models: each ``ln_1``/``ln_2``/``ln_f`` may be any module (a real
+    ``nn.LayerNorm``, an ``lnfree`` fixed-scale ``FakeLayerNorm`` or an identity); the bridge's
+    pass-through slots run them as they are. The residual stream is then not linear in the
+    components wherever a norm is real, so per-component attribution is exact only through
+    fixed-scale norms. The caller's model is not modified.
+    """
+    _check_gpt2(model)
+    if not isinstance(model.lm_head, nn.Linear):
+        raise TypeError(f"lm_head must be an nn.Linear, got {type(model.lm_head).__name__}")
+    return _pass_through_bridge(model, tokenizer)
+
+
+def _pass_through_bridge(model: GPT2LMHeadModel, tokenizer: Any) -> Any:
+    head = model.lm_head
+    d_vocab = head.weight.shape[0]
+    local = copy.deepcopy(model).eval()
+    # The head is its own module (possibly with a bias); nothing must re-tie it to wte.
+    local.config.tie_word_embeddings = False
+    local_head = local.lm_head  # the bridge replaces the attribute with its own component
+    bridge = _build_bridge_from_module()(
+        local, ARCHITECTURE, hf_config=local.config, post_adapter_hook=_pass_through_norms
+    )
+    if bridge.cfg.normalization_type is not None:  # pragma: no cover - guards a TL behaviour change
+        raise RuntimeError("TransformerLens reset normalization_type on a LN-free bridge")
+
+    # The unembedding must honour the head's bias (TL's UnembeddingBridge calls the wrapped
+    # nn.Linear, and only adds a zero buffer when there is no bias).  Check rather than trust.
+    unembed = bridge.unembed.original_component
+    if unembed is not local_head:  # pragma: no cover - guards a TL behaviour change
+        raise RuntimeError("the bridge's unembedding does not wrap the model's lm_head")
+    expected_bias = head.bias if head.bias is not None else torch.zeros(d_vocab, dtype=head.weight.dtype)
+    if not torch.equal(bridge.b_U.detach().cpu(), expected_bias.detach().cpu()):  # pragma: no cover
+        raise RuntimeError("the bridge's unembedding bias differs from lm_head.bias")
+
+    _attach_tokenizer(bridge, tokenizer)
+    return bridge
+
+
+def _common_eps(model: GPT2LMHeadModel) -> float:
+    eps_values = set()
+    for name, module in _norm_slots(model):
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(f"{name} is a {type(module).__name__}, expected nn.LayerNorm")
+        if tuple(module.normalized_shape) != (model.config.n_embd,):
+            raise ValueError(f"{name} normalises over {tuple(module.normalized_shape)}, not ({model.config.n_embd},)")
+        eps_values.add(float(module.eps))
+    if len(eps_values) != 1:
+        raise ValueError(
+            f"the LayerNorms use different eps values {sorted(eps_values)}; TransformerLens uses one cfg.eps"
+        )
+    return eps_values.pop()
+
+
+def _make_affine(model: GPT2LMHeadModel) -> None:
+    """Give every LayerNorm of ``model`` (a private copy) a weight and a bias, as TL expects."""
+    ref = next(model.parameters())
+    for _, module in _norm_slots(model):
+        if module.weight is None:
+            module.weight = nn.Parameter(torch.ones(module.normalized_shape, dtype=ref.dtype, device=ref.device))
+        if module.bias is None:
+            module.bias = nn.Parameter(torch.zeros(module.normalized_shape, dtype=ref.dtype, device=ref.device))
+        module.elementwise_affine = True
+
+
+def bridge_from_layernorm(
+    model: GPT2LMHeadModel,
+    tokenizer: Any = None,
+    *,
+    compatibility_mode: bool = True,
+    center_unembed: bool = False,
+) -> Any:
+    """A ``TransformerBridge`` around a GPT-2 with real ``nn.LayerNorm`` modules.
+
+    Works for any eps, including the eps-trick format (``eps=1e12``, weights scaled by
+    ``1e6/sigma``): the bridge's ``cfg.eps`` is taken from the LayerNorm modules (which must share
+    one eps), not from ``config.layer_norm_epsilon``.  With ``compatibility_mode`` (default) the
+    LayerNorms are folded into the following layers and the writing weights centred (TL's
+    ``enable_compatibility_mode``); ``center_unembed`` is off by default so that the bridge's
+    logits equal the HF model's (centring shifts each position's logits by a constant).  The
+    caller's model and tokenizer are not modified.
+    """
+    _check_gpt2(model)
+    eps = _common_eps(model)
+
+    local = copy.deepcopy(model).eval()
+    _make_affine(local)
+    local.config.layer_norm_epsilon = eps  # TL's norm bridge reads cfg.eps, not module.eps
+    bridge = _build_bridge_from_module()(local, ARCHITECTURE, hf_config=local.config)
+    if float(bridge.cfg.eps) != eps:  # pragma: no cover - guards a TL behaviour change
+        raise RuntimeError(f"bridge cfg.eps={bridge.cfg.eps} differs from the LayerNorm eps {eps}")
+    if compatibility_mode:
+        bridge.enable_compatibility_mode(disable_warnings=True, center_unembed=center_unembed)
+    _attach_tokenizer(bridge, tokenizer)
+    return bridge
+
+
+# ----------------------------------------------------------------------------------------------
+# Analysis helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_batch(input_ids: Any, bridge: Any) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, pos] or [pos], got shape {tuple(ids.shape)}")
+    return ids.to(bridge.cfg.device)
+
+
+def bridge_logits(bridge: Any, input_ids: Any) -> torch.Tensor:
+    """Logits ``[batch, pos, d_vocab]`` of ``bridge`` on token ids (no gradient tracking)."""
+    with torch.no_grad():
+        return bridge(_as_batch(input_ids, bridge), return_type="logits")
+
+
+def _is_normalised(bridge: Any) -> bool:
+    return bridge.cfg.normalization_type is not None
+
+
+@dataclass
+class ResidualDecomposition:
+    """The final residual stream split into the direct contributions of each component.
+
+    ``components.sum(0)`` equals the residual stream entering the final norm (``ln_final.hook_in``).
+    """
+
+    components: torch.Tensor  # [n_components, batch, pos, d_model]
+    labels: list[str]  # "embed", "pos_embed", then per layer "L{l}.attn" (or "L{l}H{h}"...,
+    #                    "L{l}.attn_bias") and "L{l}.mlp"
+    final_resid: torch.Tensor  # [batch, pos, d_model]
+    final_scale: Optional[torch.Tensor]  # [batch, pos, 1] ln_final's scale; None for LN-free bridges
+    logits: torch.Tensor  # [batch, pos, d_vocab]
+
+
+def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = False) -> ResidualDecomposition:
+    """Run ``bridge`` on ``input_ids`` and split its final residual stream by component.
+
+    Components: token embedding, position embedding, and for each layer the attention output
+    (``per_head``: one entry per head from ``attn.hook_result`` plus the output bias ``b_O``) and
+    the MLP output.  Runs without gradient tracking; the bridge's ``use_attn_result`` flag is
+    restored afterwards.
+    """
+    ids = _as_batch(input_ids, bridge)
+    n_layers = bridge.cfg.n_layers
+    wanted: dict[str, str] = {"embed": hook_name("embed"), "pos_embed": hook_name("pos_embed")}
+    for layer in range(n_layers):
+        wanted[f"attn{layer}"] = hook_name("result" if per_head else "attn_out", layer)
+        wanted[f"mlp{layer}"] = hook_name("mlp_out", layer)
+    wanted["final"] = hook_name("ln_final_in")
+    if _is_normalised(bridge):
+        wanted["scale"] = hook_name("ln_final_scale")
+
+    store: dict[str, torch.Tensor] = {}
+
+    def saver(key: str):
+        def fn(tensor: torch.Tensor, hook: Any) -> None:
+            store[key] = tensor.detach().clone()
+
+        return fn
+
+    previous = bool(getattr(bridge.cfg, "use_attn_result", False))
+    if per_head and not previous:
+        bridge.set_use_attn_result(True)
+    try:
+        with torch.no_grad(), bridge.hooks(fwd_hooks=[(name, saver(key)) for key, name in wanted.items()]):
+            logits = bridge(ids, return_type="logits")
+    finally:
+        if per_head and not previous:
+            bridge.set_use_attn_result(False)
+    missing = sorted(set(wanted) - set(store))
+    if missing:  # pragma: no cover - guards a TL behaviour change
+        raise RuntimeError(f"hooks did not fire: {[wanted[k] for k in missing]}")
+
+    parts = [store["embed"], store["pos_embed"]]
+    labels = ["embed", "pos_embed"]
+    for layer in range(n_layers):
+        if per_head:
+            result = store[f"attn{layer}"]  # [batch, pos, head, d_model]
+            parts.extend(result.unbind(-2))
+            labels.extend(f"L{layer}H{h}" for h in range(result.shape[-2]))
+            b_O = bridge.blocks[layer].attn.b_O.detach()
+            parts.append(b_O.expand_as(store["embed"]).clone())
+            labels.append(f"L{layer}.attn_bias")
+        else:
+            parts.append(store[f"attn{layer}"])
+            labels.append(f"L{layer}.attn")
+        parts.append(store[f"mlp{layer}"])
+        labels.append(f"L{layer}.mlp")
+    return ResidualDecomposition(
+        components=torch.stack(parts),
+        labels=labels,
+        final_resid=store["final"],
+        final_scale=store.get("scale"),
+        logits=logits.detach(),
+    )
+
+
+def direct_logit_attribution(
+    bridge: Any, decomposition: ResidualDecomposition, token_ids: Optional[Sequence[int] | torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Direct contribution of each residual component to the logits.
+
+    Returns ``(contributions [n_components, batch, pos, n_tokens], bias [n_tokens])`` with
+    ``contributions.sum(0) + bias == logits[..., token_ids]`` exactly (up to float rounding).
+    For a LN-free bridge a component ``c`` contributes ``c @ W_U``; for a LayerNorm bridge the
+    final norm is linearised at the run's own scale: ``((c - mean(c)) / scale * w) @ W_U``, with
+    ``w`` and the norm bias (identity after ``fold_ln``) taken from the bridge.  ``token_ids``
+    restricts the vocabulary columns (all of them by default).
+    """
+    W_U = bridge.W_U.detach()  # [d_model, d_vocab]
+    b_U = bridge.b_U.detach()
+    if token_ids is not None:
+        index = torch.as_tensor(token_ids, dtype=torch.long, device=W_U.device)
+        W_U, b_U = W_U[:, index], b_U[index]
+    comps = decomposition.components
+    if not _is_normalised(bridge):
+        return comps @ W_U, b_U.clone()
+    if decomposition.final_scale is None:
+        raise ValueError("the decomposition has no final LayerNorm scale but the bridge normalises")
+    norm = bridge.ln_final.original_component
+    weight = norm.weight.detach() if getattr(norm, "weight", None) is not None else None
+    bias = norm.bias.detach() if getattr(norm, "bias", None) is not None else None
+    normed = (comps - comps.mean(-1, keepdim=True)) / decomposition.final_scale
+    if weight is not None:
+        normed = normed * weight
+    total_bias = b_U.clone() if bias is None else b_U + bias @ W_U
+    return normed @ W_U, total_bias
