@@ -63,3 +63,27 @@ def quick_run_config(output_dir, model: str, cache_dir, **train):
 @pytest.fixture
 def run_config(tmp_path, model_dir):
     return lambda **train: quick_run_config(tmp_path / "run", model_dir, tmp_path / "cache", **train)
+
+
+@pytest.fixture(scope="session")
+def tiny_ln_free_export(tmp_path_factory):
+    """The bundled tiny model made LN-free without fine-tuning (σ measured, every norm fixed), exported.
+
+    Its cross-entropy is worse than a fine-tuned removal's, but it is exactly LN-free: what the
+    analyses' exactness tests need, in about a second.
+    """
+    from transformers import AutoTokenizer
+
+    from lnfree import surgery
+    from lnfree.export import write_export
+    from lnfree.tiny import TINY_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = surgery.install(GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval())
+    ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(0))
+    surgery.initialise_sigmas(model, [ids])
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fake()
+    folder = tmp_path_factory.mktemp("tiny") / "ln_free"
+    write_export(model, tokenizer, folder, {"note": "test fixture: σ measured, no fine-tuning"})
+    return folder
