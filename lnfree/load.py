@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -274,3 +276,13 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedMod
         fixed = sum(s.is_fake for s in surgery.scale_states(model).values())
         kind = "lnfree export" if record else ("eps-trick checkpoint" if fixed else "GPT-2")
     return LoadedModel(model.to(dtype), tokenizer, source, kind, sigma_known)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets `lnfree.load(source)` be called directly while `lnfree.load` stays importable as a module."""
+
+    def __call__(self, source: str | Path, **kwargs) -> LoadedModel:
+        return load(source, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

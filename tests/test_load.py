@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from lnfree import surgery
 from lnfree.export import RECORD, write_export
-from lnfree.load import LoadError, load
+from lnfree.load import LoadedModel, LoadError, load
 from lnfree.verify import verify
 
 
@@ -140,3 +140,11 @@ def test_checkpoints_at_every_stage_load_exactly_in_every_representation(run_con
         assert report["ok"], (name, report["checks"])
     final = load(result.output_dir)  # a run folder means its latest checkpoint
     assert final.fully_ln_free and (logits(final.folded(), ids) - logits(final.hf(), ids)).abs().max() <= 1e-4
+
+
+def test_lnfree_load_is_callable_from_the_package(tiny_ln_free_export):
+    import lnfree
+
+    loaded = lnfree.load(tiny_ln_free_export)
+    assert isinstance(loaded, LoadedModel) and loaded.fully_ln_free
+    assert lnfree.load("tiny").kind == "GPT-2"

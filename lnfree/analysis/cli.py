@@ -1,0 +1,113 @@
+"""`lnfree analyze NAME --models A B C`: run one analysis, or all of them, and index the figures."""
+
+from __future__ import annotations
+
+import html
+import importlib
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+#: Analysis name on the command line → module with a `run(models, out_dir, ...)` function.
+ANALYSES = {
+    "dla": "lnfree.analysis.dla",
+    "patching": "lnfree.analysis.patching",
+    "entropy-neurons": "lnfree.analysis.entropy_neurons",
+    "residual": "lnfree.analysis.residual",
+}
+#: Analyses that read held-out token sequences (patching makes its own IOI prompts).
+NEEDS_TOKENS = {"dla", "entropy-neurons", "residual"}
+
+
+def run_analyses(
+    names: list[str], sources: list[str], out: Path, *, labels: list[str] | None = None, data: str = "tiny",
+    n_sequences: int = 32, length: int = 64, n_prompts: int = 32, seed: int = 0, n_bootstrap: int = 1000,
+    cache_dir: str | None = None,
+) -> dict:
+    """Run the named analyses on the same models and tokens; write `out/NAME/…` and an index."""
+    from lnfree.analysis.common import evaluation_tokens, load_models, write_summary
+
+    unknown = [n for n in names if n not in ANALYSES]
+    if unknown:
+        raise ValueError(f"unknown analysis {unknown[0]!r}; choose from {', '.join(ANALYSES)} or 'all'")
+    if not sources:
+        raise ValueError("give at least one model: --models A [B ...]")
+    models = load_models(sources, labels)
+    vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
+    if len(set(vocab.values())) > 1:
+        raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same tokens")
+    tokens = None
+    if NEEDS_TOKENS & set(names):
+        tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
+                                   vocab_size=next(iter(vocab.values())), cache_dir=cache_dir)
+    summaries = {}
+    for name in names:
+        started = time.perf_counter()
+        module = importlib.import_module(ANALYSES[name])
+        kwargs = {"seed": seed, "n_bootstrap": n_bootstrap}
+        if name in NEEDS_TOKENS:
+            kwargs["tokens"] = tokens
+        else:
+            kwargs["n_prompts"] = n_prompts
+        summary = module.run(models, out / name, **kwargs)
+        summary["seconds"] = round(time.perf_counter() - started, 1)
+        summaries[name] = summary
+        typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {summary['seconds']} s → {out / name}")
+    index = {
+        "models": {m.label: {"source": str(m.loaded.source), "repr": repr(m.loaded)} for m in models},
+        "data": data if tokens is not None else None,
+        "tokens": list(tokens.shape) if tokens is not None else None,
+        "seed": seed,
+        "analyses": summaries,
+    }
+    write_summary(index, out, "index")
+    write_index_pages(index, out)
+    return index
+
+
+def write_index_pages(index: dict, out: Path) -> None:
+    """`index.md` and `index.html` linking every figure and table, relative to `out`."""
+    md = ["# lnfree analyses", "", "| model | source |", "|---|---|"]
+    md += [f"| {label} | `{info['source']}` |" for label, info in index["models"].items()]
+    page = ["<!doctype html><meta charset='utf-8'><title>lnfree analyses</title><h1>lnfree analyses</h1><ul>"]
+    page += [f"<li><b>{html.escape(label)}</b>: {html.escape(info['repr'])}</li>" for label, info in index["models"].items()]
+    page.append("</ul>")
+    for name, summary in index["analyses"].items():
+        md += ["", f"## {name}", ""]
+        page.append(f"<h2>{html.escape(name)}</h2><ul>")
+        for kind in ("figures", "tables"):
+            for path in summary.get(kind, []):
+                rel = Path(path).resolve().relative_to(out.resolve()).as_posix()
+                md.append(f"- [{rel}]({rel})")
+                page.append(f"<li><a href='{html.escape(rel)}'>{html.escape(rel)}</a></li>")
+        page.append("</ul>")
+    (out / "index.md").write_text("\n".join(md) + "\n")
+    (out / "index.html").write_text("\n".join(page) + "\n")
+
+
+def analyze(
+    name: Annotated[str, typer.Argument(help=f"One of {', '.join(ANALYSES)}, or 'all'.")],
+    more_models: Annotated[Optional[list[str]], typer.Argument(help="Further models after --models A.", show_default=False)] = None,
+    models: Annotated[Optional[list[str]], typer.Option("--models", "-m", help="Models (folders, Hub ids, 'tiny'): --models A B C.")] = None,
+    labels: Annotated[Optional[str], typer.Option(help="Comma-separated labels, e.g. original,vanilla,ln_free.")] = None,
+    data: Annotated[str, typer.Option(help="Token source for DLA, entropy neurons and residual norms ('tiny', a file, a Hub dataset).")] = "tiny",
+    n_sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 32,
+    length: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    n_prompts: Annotated[int, typer.Option(help="IOI prompts for patching.")] = 32,
+    n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for CIs.")] = 1000,
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/analysis"),
+) -> None:
+    """Run interpretability analyses (DLA vs DE, patching, entropy neurons, residual norms/sinks) on models."""
+    sources = list(models or []) + list(more_models or [])
+    names = list(ANALYSES) if name == "all" else [name]
+    label_list = [s.strip() for s in labels.split(",")] if labels else None
+    try:
+        run_analyses(names, sources, out, labels=label_list, data=data, n_sequences=n_sequences, length=length,
+                     n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap)
+    except (ValueError, OSError) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    typer.echo(f"index: {out / 'index.html'} ({out / 'index.md'})")
