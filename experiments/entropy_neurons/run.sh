@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Entropy (confidence) neurons: candidates, null-space fraction, single and cumulative mean ablation.
+#
+#   experiments/entropy_neurons/run.sh [--dry-run] [SIZE] [SOURCE]
+#     SIZE    gpt2 (default) | gpt2-medium | gpt2-large | gpt2-xl   (or small | medium | large | xl)
+#     SOURCE  hub (default: the released P25 checkpoints) | local (experiments/removal/run.sh outputs)
+#
+# Config: config.toml next to this script. Writes experiments/results/entropy_neurons/SIZE-SOURCE/.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/../lib.sh"
+run_analysis "$here" "$@"
