@@ -262,6 +262,8 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedMod
     checkpoint = _is_lnfree_checkpoint(path) if local else None
     if checkpoint is not None:
         model, tokenizer, _ = load_checkpoint(checkpoint)
+        if not surgery.is_installed(model):  # a vanilla-control run: every norm real
+            surgery.install(model)
         kind, sigma_known = "lnfree checkpoint", True
     else:
         load_config(source)  # one clear error for non-GPT-2 sources

@@ -13,6 +13,7 @@ from lnfree import surgery
 from lnfree.config import with_overrides
 from lnfree.data import DataError
 from lnfree.export import load_checkpoint
+from lnfree.load import load
 from lnfree.models import ModelError
 from lnfree.train import RunError, latest_checkpoint, run
 
@@ -70,6 +71,11 @@ def test_vanilla_control_removes_nothing_and_sees_the_same_first_loss(run_config
     control = run(with_overrides(run_config(max_steps=12), {"removal.mode": "vanilla", "output_dir": str(removal.output_dir) + "-v"}),
                   progress=False)
     assert not surgery.is_installed(control.model) and control.events == []
+    loaded = load(control.output_dir)  # a vanilla run folder loads with every norm real
+    assert loaded.kind == "lnfree checkpoint" and not any(n["fixed"] for n in loaded.norms.values())
+    ids = torch.randint(0, control.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(input_ids=ids).logits, control.model.eval()(input_ids=ids).logits, atol=1e-5)
     first = lambda r: records(r.output_dir / "log.jsonl")[1]["loss"]  # noqa: E731
     assert first(control) == pytest.approx(first(removal), rel=1e-6)  # nothing removed before step 2
 
