@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from lnfree.analysis.cli import analyze
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm from GPT-2 models by fine-tuning.")
 
 PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`).")
@@ -239,6 +241,78 @@ def push(
     except (ValueError, OSError) as err:
         _fail(str(err))
     typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")
+
+
+def _join_labels(args: list[str]) -> list[str]:
+    """`--labels a b c` → `--labels a,b,c`: labels may follow `--labels` space- or comma-separated."""
+    out, i = [], 0
+    while i < len(args):
+        out.append(args[i])
+        i += 1
+        if out[-1] in ("--labels", "-l"):
+            end = i
+            while end < len(args) and not args[end].startswith("-"):
+                end += 1
+            if end > i:
+                out.append(",".join(args[i:end]))
+            i = end
+    return out
+
+
+class _LabelsCommand(typer.core.TyperCommand):
+    """A command whose `--labels` may be followed by several space-separated labels."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, _join_labels(list(args)))
+
+
+@app.command("eval", cls=_LabelsCommand)
+def eval_(
+    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, GPT-2 folders or Hub ids.")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
+    labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
+    n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences (default: the dataset preset's).", min=1)] = None,
+    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: the preset's, else the models' n_positions).", min=2)] = None,
+    batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, …")] = "auto",
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (eps-trick files overflow fp16).")] = "fp32",
+    form: Annotated[str, typer.Option(help="hf: lnfree's exact fixed-scale form; folded: LN-free weights folded; plain: the file as transformers loads it.")] = "hf",
+    threshold: Annotated[float, typer.Option(help="List tokens whose CE (nats) exceeds this.")] = 50.0,
+    max_outliers: Annotated[int, typer.Option(help="How many of them to list per model (all are counted).")] = 50,
+    reference: Annotated[Optional[str], typer.Option(help="Label to compute Δ against (default: 'vanilla', else the best model).")] = None,
+    pairwise: Annotated[Optional[bool], typer.Option("--pairwise/--no-pairwise", help="JSD and paired ΔCE between models (default: when they share a tokenizer).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap CIs.")] = 0,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples (over sequences).", min=1)] = 1000,
+    split: Annotated[Optional[str], typer.Option(help="Dataset split (Hub ids, save_to_disk folders).")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Dataset revision (Hub ids).")] = None,
+    text_field: Annotated[str, typer.Option(help="Text column of a dataset without input_ids.")] = "text",
+    cache_dir: Annotated[Optional[str], typer.Option(help="Token cache (default ~/.cache/lnfree/eval).")] = None,
+    save_tokens: Annotated[bool, typer.Option("--save-tokens", help="Also write every per-token CE/entropy/JSD (tokens.npz).")] = False,
+    hellaswag: Annotated[bool, typer.Option("--hellaswag", help="Also run HellaSwag (needs `pip install lm-eval`).")] = False,
+    hellaswag_limit: Annotated[Optional[int], typer.Option(help="Only the first N HellaSwag items.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Per-token cross-entropy of one or more models on identical tokens, compared (see README: Evaluation)."""
+    from lnfree.evaluate import EvalError, evaluate, markdown, write_report
+
+    names = [x.strip() for item in labels or [] for x in item.split(",") if x.strip()] or None
+    try:
+        report = evaluate(
+            models, dataset, labels=names, form=form, dtype=dtype, device=device, batch_size=batch_size,
+            n_sequences=n_sequences, context=context, split=split, revision=revision, text_field=text_field,
+            cache_dir=cache_dir, progress=progress, benchmarks=["hellaswag"] if hellaswag else [],
+            benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
+            pairwise=pairwise, seed=seed, n_resamples=bootstrap,
+        )
+    except (EvalError, ValueError, OSError) as err:
+        _fail(str(err))
+    write_report(report, out, save_tokens=save_tokens)
+    typer.echo(markdown(report))
+    typer.echo(f"written to {out}/ (comparison.md, summary.json, one JSON + CSV per model)")
+
+
+app.command("analyze", cls=_LabelsCommand)(analyze)
 
 
 @app.command()

@@ -89,7 +89,7 @@ def test_layernorm_model_dla_differs_from_de_and_de_is_an_ablation(models, token
 
 
 def test_dla_run_writes_tables_figures_and_summary(models, tokens, tmp_path):
-    summary = dla.run(list(models.values()), tmp_path, tokens=tokens, seed=3, n_resamples=100, batch_size=2)
+    summary = dla.run(list(models.values()), tmp_path, tokens=tokens, seed=3, n_bootstrap=100, batch_size=2)
     assert set(summary["models"]) == {"original", "ln_free"}
     assert all(Path(p).is_file() for p in summary["tables"] + summary["figures"])
     written = json.loads((tmp_path / "dla_summary.json").read_text())
@@ -101,7 +101,7 @@ def test_dla_run_writes_tables_figures_and_summary(models, tokens, tmp_path):
     assert free["nmae"] < 1e-5 and original["nmae"] > 1e-2
     assert original["ci_low"] <= original["nmae"] <= original["ci_high"]
     # seeded: the same seed gives the same CI
-    again = dla.run(list(models.values()), tmp_path / "again", tokens=tokens, seed=3, n_resamples=100)
+    again = dla.run(list(models.values()), tmp_path / "again", tokens=tokens, seed=3, n_bootstrap=100)
     assert again["models"]["original"]["heads"] == original
     assert any(p.endswith("dla_nmae_heads_original.html") for p in summary["figures"])
 
@@ -151,7 +151,7 @@ def test_residual_norms_equal_norms_of_transformers_hidden_states(models, tokens
 
 
 def test_residual_run_writes_tables_figures_and_summary(models, tokens, tmp_path):
-    summary = residual.run(list(models.values()), tmp_path, tokens=tokens, n_resamples=50, batch_size=2)
+    summary = residual.run(list(models.values()), tmp_path, tokens=tokens, n_bootstrap=50, batch_size=2)
     assert all(Path(p).is_file() for p in summary["tables"] + summary["figures"])
     norms = pd.read_csv(tmp_path / "residual_norms.csv")
     assert len(norms) == 2 * 5 * 2  # models × (4 resid_pre + final) × position groups

@@ -299,7 +299,7 @@ def _global_bar(summaries: dict[str, dict]):
 
 def run(
     models: list[AnalysisModel], out_dir: str | Path, *, tokens: torch.Tensor, seed: int = 0,
-    n_resamples: int = 1000, batch_size: int = 8,
+    n_bootstrap: int = 1000, batch_size: int = 8,
 ) -> dict:
     """DLA vs DE for every model on ``tokens``; writes tables, figures and ``summary.json``.
 
@@ -317,7 +317,7 @@ def run(
         result = dla_and_direct_effect(model.bridge(), tokens, batch_size=batch_size)
         table = component_table(result, model.label)
         tables.append(table)
-        stats = {key: global_nmae(result, kind=kind, n_resamples=n_resamples, seed=seed)
+        stats = {key: global_nmae(result, kind=kind, n_resamples=n_bootstrap, seed=seed)
                  for key, kind in (("heads", "head"), ("mlps", "mlp"))}
         reconstruction = (result.dla.double().sum(0) + result.bias.double() - result.target_logits.double())
         heads = table[table["kind"] == "head"]
@@ -344,7 +344,7 @@ def run(
         "n_sequences": int(tokens.shape[0]),
         "sequence_length": int(tokens.shape[1]),
         "seed": seed,
-        "n_resamples": n_resamples,
+        "n_bootstrap": n_bootstrap,
         "models": per_model,
         "tables": [str(p) for p in written],
         "figures": [str(p) for p in figures],

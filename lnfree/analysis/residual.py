@@ -221,7 +221,7 @@ def _sink_heatmap(matrix: np.ndarray, label: str, threshold: float):
 
 def run(
     models: list[AnalysisModel], out_dir: str | Path, *, tokens: torch.Tensor, seed: int = 0,
-    threshold: float = DEFAULT_THRESHOLD, exclude_first_query: bool = True, n_resamples: int = 1000,
+    threshold: float = DEFAULT_THRESHOLD, exclude_first_query: bool = True, n_bootstrap: int = 1000,
     batch_size: int = 8,
 ) -> dict:
     """Residual norms (position 0 vs rest) and attention sink rates for every model on ``tokens``.
@@ -239,7 +239,7 @@ def run(
     norm_rows, head_rows, rate_rows, figures, per_model = [], [], [], [], {}
     for model in models:
         norms = residual_norms(model.loaded.hf(), tokens, batch_size=batch_size)
-        rows = _norm_rows(norms, model.label, seed=seed, n_resamples=n_resamples)
+        rows = _norm_rows(norms, model.label, seed=seed, n_resamples=n_bootstrap)
         norm_rows += rows
         attn0 = attention_to_first(model.bridge(), tokens, batch_size=batch_size)
         means = head_mean_attention(attn0, exclude_first_query=exclude_first_query)

@@ -1,0 +1,270 @@
+"""IOI prompt generator, activation vs attribution patching (lnfree.analysis.ioi / .patching)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from lnfree.analysis import patching
+from lnfree.analysis.common import AnalysisModel
+from lnfree.analysis.ioi import DEFAULT_TEMPLATES, make_ioi_prompts, single_token_id, single_token_words
+from lnfree.bridge import bridge_from_folded, hook_name
+from lnfree.load import load
+from lnfree.tiny import NAMES, OBJECTS, PLACES, TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def original():
+    return AnalysisModel("original", load(str(TINY_MODEL_DIR)))
+
+
+@pytest.fixture(scope="module")
+def ln_free(tiny_ln_free_export):
+    return AnalysisModel("ln_free", load(str(tiny_ln_free_export)))
+
+
+def bpe_tokenizer(words_in_training: list[str]) -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level BPE tokenizer (leading-space tokens), trained in memory on IOI text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    text = []
+    for i, name in enumerate(words_in_training):
+        other = words_in_training[(i + 1) % len(words_in_training)]
+        for t in DEFAULT_TEMPLATES:
+            text.append(t.format(N1=name, N2=other, S2=name, PLACE="store", OBJECT="drink", ART="a") + " " + other)
+    text += [" ".join(PLACES), " ".join(OBJECTS), "a an apple"] * 5
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompt generator
+# ------------------------------------------------------------------------------------------------
+
+
+def test_generator_is_seeded_balanced_and_aligned(tiny_tokenizer):
+    prompts = make_ioi_prompts(tiny_tokenizer, 24, seed=3)
+    again = make_ioi_prompts(tiny_tokenizer, 24, seed=3)
+    other = make_ioi_prompts(tiny_tokenizer, 24, seed=4)
+    assert torch.equal(prompts.clean_ids, again.clean_ids) and prompts.clean_texts == again.clean_texts
+    assert torch.equal(prompts.corrupted_ids, again.corrupted_ids)
+    assert prompts.clean_texts != other.clean_texts
+    # both orders, balanced (partner pairs); every template used; one length; BOS first
+    assert prompts.orders.count("ABBA") == prompts.orders.count("BABA") == 12
+    assert len(set(prompts.templates)) > 1
+    assert prompts.clean_ids.shape == prompts.corrupted_ids.shape == (24, 16)
+    assert (prompts.clean_ids[:, 0] == tiny_tokenizer.eos_token_id).all()
+    # clean and corrupted differ exactly at S2; each prompt's corruption is its partner
+    differ = prompts.clean_ids != prompts.corrupted_ids
+    assert differ.sum(1).eq(1).all() and differ[:, prompts.s2_position].all()
+    assert torch.equal(prompts.corrupted_ids[0::2], prompts.clean_ids[1::2])
+    assert torch.equal(prompts.corrupted_ids[1::2], prompts.clean_ids[0::2])
+    labels = prompts.position_labels
+    assert labels[prompts.s2_position] == "S2" and {"BOS", "N1", "N2", "PLACE", "OBJECT"} <= set(labels)
+    n1, n2 = labels.index("N1"), labels.index("N2")
+    for i in range(len(prompts)):
+        # the text re-tokenises to the ids; names are single known tokens at their slots
+        ids = tiny_tokenizer(prompts.clean_texts[i], add_special_tokens=False)["input_ids"]
+        assert ids == prompts.clean_ids[i, 1:].tolist()
+        assert tiny_tokenizer.convert_ids_to_tokens(int(prompts.io_ids[i])) == prompts.io_names[i]
+        s2 = int(prompts.clean_ids[i, prompts.s2_position])
+        assert s2 == prompts.s_ids[i] != prompts.io_ids[i]
+        first, second = int(prompts.clean_ids[i, n1]), int(prompts.clean_ids[i, n2])
+        assert (s2, int(prompts.io_ids[i])) == ((second, first) if prompts.orders[i] == "ABBA" else (first, second))
+        assert prompts.clean_texts[i].startswith("Then, ")
+    assert len(make_ioi_prompts(tiny_tokenizer, 5, seed=0)) == 5
+    half = prompts.subset(range(0, 24, 2))
+    assert half.orders == ["ABBA"] * 12 and torch.equal(half.clean_ids, prompts.clean_ids[0::2])
+    # the tiny tokenizer keeps the default (GPT-2) words it knows: all but the unknown ones
+    assert set(prompts.words["names"]) <= set(NAMES) and len(prompts.words["names"]) >= 35
+    assert single_token_id(tiny_tokenizer, "Zebulon") is None  # <|unk|> is not a token of the word
+
+
+def test_generator_with_byte_level_bpe():
+    known = ["Mary", "John", "Anna", "Tom", "Lucy", "Peter"]
+    tok = bpe_tokenizer(known)
+    kept = single_token_words(tok, ["Mary", "Zebulon", "John", "Anna", "Tom", "Lucy", "Peter", "Mary"])
+    assert kept == tuple(known)
+    prompts = make_ioi_prompts(tok, 10, seed=1)
+    assert set(prompts.io_names) <= set(known) and set(prompts.words["names"]) == set(known)
+    tokens = tok.convert_ids_to_tokens(prompts.clean_ids[0].tolist())
+    assert tokens[prompts.s2_position].startswith("Ġ")  # the leading-space form
+    assert tok.convert_ids_to_tokens(int(prompts.io_ids[0])) == "Ġ" + prompts.io_names[0]
+    assert (prompts.clean_ids != prompts.corrupted_ids).sum(1).eq(1).all()
+    assert make_ioi_prompts(tok, 10, seed=1, prepend_bos=False).clean_ids.shape[1] == prompts.clean_ids.shape[1] - 1
+
+
+def test_generator_rejects_bad_inputs(tiny_tokenizer):
+    with pytest.raises(ValueError, match="different token lengths"):
+        make_ioi_prompts(tiny_tokenizer, 8, templates=(DEFAULT_TEMPLATES[0], "When {N1} and {N2} went to the "
+                                                       "{PLACE}, {S2} gave {ART} {OBJECT} to"))  # fmt: skip
+    with pytest.raises(ValueError, match="fewer than two names"):
+        make_ioi_prompts(tiny_tokenizer, 4, names=["Mary", "Zebulon"])
+    with pytest.raises(ValueError, match="unknown fields"):
+        make_ioi_prompts(tiny_tokenizer, 4, templates=("Then, {N1} and {N2} met {X}. {S2} gave it to",))
+    with pytest.raises(ValueError, match="exactly once"):
+        make_ioi_prompts(tiny_tokenizer, 4, templates=("Then, {N1} went. {S2} gave it to",))
+
+
+# ------------------------------------------------------------------------------------------------
+# Patching
+# ------------------------------------------------------------------------------------------------
+
+
+def naive_patch(bridge, prompts, kind, i, layer, cell) -> float:
+    """One forward pass, one prompt, one cell: the unbatched reference."""
+    clean = {}
+
+    def save(x, hook):
+        clean["x"] = x.detach().clone()
+
+    name = hook_name(kind, layer)
+    with torch.no_grad():
+        with bridge.hooks(fwd_hooks=[(name, save)]):
+            bridge(prompts.clean_ids[i : i + 1], return_type="logits")
+
+        def write(x, hook):
+            x = x.clone()
+            if kind == "resid_pre":
+                x[:, cell] = clean["x"][:, cell]
+            else:
+                x[:, :, cell] = clean["x"][:, :, cell]
+            return x
+
+        with bridge.hooks(fwd_hooks=[(name, write)]):
+            logits = bridge(prompts.corrupted_ids[i : i + 1], return_type="logits")[0, -1]
+        base = bridge(prompts.corrupted_ids[i : i + 1], return_type="logits")[0, -1]
+    io, s = prompts.io_ids[i], prompts.s_ids[i]
+    return float((logits[io] - logits[s]) - (base[io] - base[s]))
+
+
+@pytest.mark.parametrize("which", ["original", "ln_free"])
+def test_layer0_s2_patch_recovers_the_full_gap_and_batching_is_exact(which, request, tiny_tokenizer):
+    bridge = request.getfixturevalue(which).bridge()
+    prompts = make_ioi_prompts(tiny_tokenizer, 4, seed=0)
+    clean = patching.logit_diff(bridge, prompts.clean_ids, prompts.io_ids, prompts.s_ids)
+    corrupted = patching.logit_diff(bridge, prompts.corrupted_ids, prompts.io_ids, prompts.s_ids)
+    gap = clean - corrupted
+    assert gap.abs().min() > 0.01
+    # the whole grid, unpruned, in batches that mix layers (29 does not divide 4 x 4 x 16)
+    full = patching.activation_patching(bridge, prompts, "resid_pre", batch_size=29, skip_unchanged=False)
+    normed = patching.normalise(full, clean, corrupted)
+    s2 = prompts.s2_position
+    torch.testing.assert_close(full[:, 0, s2], gap, atol=1e-5, rtol=0)  # the whole gap, in logits...
+    assert (normed[:, 0, s2] - 1).abs().max() < 1e-5 / gap.abs().min()  # ...so the normalised value is 1
+    others = torch.ones(normed.shape[1:], dtype=torch.bool)
+    others[0, s2] = False
+    others[1:, s2:] = False  # what S2 can reach from layer 1 on
+    assert full[:, others].abs().max() < 1e-5  # logits: zero up to the float noise of batch composition
+    # pruning the unchanged cells gives the same grid
+    pruned = patching.activation_patching(bridge, prompts, "resid_pre", batch_size=64)
+    torch.testing.assert_close(pruned, full, atol=1e-5, rtol=0)
+    # batched rows equal one-forward-per-cell patching
+    heads = patching.activation_patching(bridge, prompts, "z", batch_size=11)
+    for i, layer, cell in ((0, 0, s2), (3, 2, s2 + 2), (1, 3, prompts.n_positions - 1)):
+        reference = naive_patch(bridge, prompts, "resid_pre", i, layer, cell)
+        assert full[i, layer, cell].item() == pytest.approx(reference, abs=1e-4)
+    for i, layer, head in ((1, 0, 3), (3, 2, 2), (2, 3, 0)):
+        reference = naive_patch(bridge, prompts, "z", i, layer, head)
+        assert heads[i, layer, head].item() == pytest.approx(reference, abs=1e-4)
+
+
+def linear_bridge(ln_free_model: AnalysisModel):
+    """The LN-free tiny model made affine: Q = K = 0 in every block and every MLP output zeroed.
+
+    Zero queries and keys give every head the same fixed causal pattern (uniform over the
+    positions so far), so each head's output is a fixed average of values, linear in the residual
+    stream; without norms and MLPs, the logits are then an affine function of resid_pre at every
+    layer and position and of every head's z. Information still flows from S2 to the last
+    position, so the clean-corrupted gap is not zero.
+    """
+    folded = ln_free_model.loaded.folded()
+    d_model = folded.config.n_embd
+    with torch.no_grad():
+        for block in folded.transformer.h:
+            block.attn.c_attn.weight[:, : 2 * d_model] = 0  # Conv1D weight [d_model, 3 d_model]: Q, K, V
+            block.attn.c_attn.bias[: 2 * d_model] = 0
+            block.mlp.c_proj.weight.zero_()
+            block.mlp.c_proj.bias.zero_()
+    return bridge_from_folded(folded, ln_free_model.tokenizer)
+
+
+def test_attribution_equals_activation_patching_when_the_metric_is_linear(ln_free, tiny_tokenizer):
+    prompts = make_ioi_prompts(tiny_tokenizer, 6, seed=2)
+    bridge = linear_bridge(ln_free)
+    clean = patching.logit_diff(bridge, prompts.clean_ids, prompts.io_ids, prompts.s_ids)
+    corrupted = patching.logit_diff(bridge, prompts.corrupted_ids, prompts.io_ids, prompts.s_ids)
+    assert (clean - corrupted).abs().min() > 1e-3
+    for kind in patching.KINDS:
+        act = patching.activation_patching(bridge, prompts, kind, skip_unchanged=False)
+        attr = patching.attribution_patching(bridge, prompts, kind)
+        scale = act.abs().max()
+        assert scale > 1e-3, kind  # non-trivial
+        torch.testing.assert_close(attr, act, atol=1e-4 * scale, rtol=1e-4, msg=kind)
+        # normalised (the reported unit), the two agree to float precision as well
+        normed = [patching.normalise(x, clean, corrupted) for x in (attr, act)]
+        torch.testing.assert_close(*normed, atol=1e-3, rtol=1e-3)
+        agree = patching.agreement_summary(act, attr, act != 0, units=prompts.pair, n_bootstrap=50)
+        assert agree["nmae"]["value"] < 1e-3 and agree["pearson_r_pooled"]["value"] > 0.9999, kind
+    # the layer-0 S2 residual carries the whole gap here too
+    torch.testing.assert_close(patching.activation_patching(bridge, prompts)[:, 0, prompts.s2_position],
+                               clean - corrupted, atol=1e-5, rtol=1e-4)  # fmt: skip
+
+    # Sanity check of the construction: on the unmodified LN-free model they differ.
+    act = patching.activation_patching(ln_free.bridge(), prompts, "resid_pre")
+    attr = patching.attribution_patching(ln_free.bridge(), prompts, "resid_pre")
+    assert (act - attr).abs().max() > 1e-2
+
+
+def test_patch_ioi_and_agreement(original, tiny_tokenizer):
+    prompts = make_ioi_prompts(tiny_tokenizer, 8, seed=0)
+    result = patching.patch_ioi(original.bridge(), prompts, batch_size=32)
+    s2 = prompts.s2_position
+    torch.testing.assert_close(result.activation["resid_pre"][:, 0, s2], torch.ones(8), atol=1e-5, rtol=0)
+    assert set(result.seconds) == {"caches", "attribution", "activation"}
+    # patch_ioi's attribution equals the standalone function's
+    attr = patching.attribution_patching(original.bridge(), prompts, "z")
+    torch.testing.assert_close(result.attribution["z"], patching.normalise(attr, result.clean_ld, result.corrupted_ld))
+    nmae, r = patching.agreement_per_prompt(result.activation["resid_pre"], result.attribution["resid_pre"],
+                                            result.changed["resid_pre"])  # fmt: skip
+    assert nmae.shape == r.shape == (8,) and np.isfinite(nmae).all() and (r > 0.5).all()
+    # agreement statistics are invariant to the per-prompt normalisation and exact for identical grids
+    a = torch.randn(6, 3, 4)
+    same = patching.agreement_summary(a, a.clone(), n_bootstrap=20)
+    assert same["nmae"]["value"] == 0 and same["pearson_r"]["value"] == pytest.approx(1)
+    scaled = patching.agreement_per_prompt(a * torch.tensor([1, -2, 3, 4, 5, 0.5])[:, None, None],
+                                           (a + 0.1) * torch.tensor([1, -2, 3, 4, 5, 0.5])[:, None, None])
+    np.testing.assert_allclose(scaled[0], patching.agreement_per_prompt(a, a + 0.1)[0], rtol=1e-6)
+
+
+def test_run_writes_tables_figures_and_summary(original, ln_free, tmp_path):
+    summary = patching.run([original, ln_free], tmp_path, n_prompts=4, n_bootstrap=20)
+    assert {"tables", "figures"} <= set(summary)
+    for path in summary["tables"] + summary["figures"]:
+        assert (tmp_path / path.split("/")[-1]).is_file()
+    assert json.loads((tmp_path / "patching_summary.json").read_text())["models"].keys() == {"original", "ln_free"}
+    import pandas as pd
+
+    cells = pd.read_csv(tmp_path / "patching_cells.csv")
+    assert set(cells["model"]) == {"original", "ln_free"} and set(cells["kind"]) == {"resid_pre", "z"}
+    assert len(cells) == 2 * 4 * 4 * (16 + 4)
+    agreement = pd.read_csv(tmp_path / "patching_agreement.csv")
+    assert {"nmae", "pearson_r", "pearson_r_pooled"} <= set(agreement["statistic"])
+    assert (agreement["ci_low"] <= agreement["value"] + 1e-12).where(agreement["ci_low"].notna(), True).all()
+    info = summary["models"]["ln_free"]
+    assert info["ln_free"] and info["agreement"]["resid_pre"]["n_prompts"] == 4
+    assert any(p.endswith("patching_heatmaps_original.html") for p in summary["figures"])
