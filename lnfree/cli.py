@@ -231,13 +231,14 @@ def push(
     dry_run: Annotated[bool, typer.Option(help="Only write the folder that would be uploaded.")] = False,
     dry_run_dir: Annotated[Optional[Path], typer.Option(help="Where --dry-run writes (default: EXPORT-hub).")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite a branch that already holds files.")] = False,
+    eval_report: Annotated[Optional[list[Path]], typer.Option("--eval", help="An `lnfree eval` output folder or summary.json to put in the card's model-index (repeatable).")] = None,
 ) -> None:
     """Verify an export and publish it with a model card (token from `hf auth login` or HF_TOKEN)."""
     from lnfree.hub import push as run_push
 
     try:
         where = run_push(export_dir, repo_id, private=private, revision=revision, dry_run=dry_run,
-                         dry_run_dir=dry_run_dir, force=force)
+                         dry_run_dir=dry_run_dir, force=force, eval_reports=eval_report or [])
     except (ValueError, OSError) as err:
         _fail(str(err))
     typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")

@@ -77,13 +77,48 @@ def base_license(base_model: str) -> str | None:
         return None
 
 
-def build_card(export_dir: Path, repo_id: str, report: dict) -> ModelCard:
-    """The model card of an export: metadata, schedule and σ table, eval results, load snippets."""
+def _evaluated_entry(summary: dict, export_dir: Path) -> dict | None:
+    """This export's entry in an `lnfree eval` summary: by path, else the only fully LN-free model."""
+    entries = summary.get("models", [])
+    for entry in entries:
+        if Path(str(entry.get("source", ""))).expanduser().resolve() == export_dir.resolve():
+            return entry
+    ln_free = [e for e in entries if e.get("fully_ln_free")]
+    return ln_free[0] if len(ln_free) == 1 else None
+
+
+def eval_report_results(eval_reports: list[Path], export_dir: Path) -> list[EvalResult]:
+    """`model-index` results (mean and median CE) from `lnfree eval` summary.json files."""
+    results = []
+    for path in eval_reports:
+        path = path / "summary.json" if path.is_dir() else path
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise PushError(f"cannot read the eval report {path}: {err}") from err
+        entry = _evaluated_entry(summary, export_dir)
+        if entry is None:
+            raise PushError(f"{path} holds no result for {export_dir} (nor exactly one LN-free model)")
+        dataset = summary["dataset"]
+        split = f"first {dataset['sequences']} x {dataset['context']} tokens"
+        for metric, name in (("mean", "mean cross-entropy (nats)"), ("median", "median per-token cross-entropy (nats)")):
+            results.append(EvalResult(
+                task_type="text-generation", dataset_type=dataset["source"], dataset_name=dataset["name"],
+                dataset_split=split, metric_type="cross_entropy", metric_name=name,
+                metric_value=round(entry["ce"][metric], 4)))
+    return results
+
+
+def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[Path] = ()) -> ModelCard:
+    """The model card of an export: metadata, schedule and σ table, eval results, load snippets.
+
+    Eval results: the run's held-out CE from the export record, plus every `lnfree eval` report given.
+    """
     record = json.loads((export_dir / RECORD).read_text())
     run = record.get("run_config", {})
     base_model = run.get("model", "unknown")
     data_source = run.get("data", {}).get("source", "unknown")
-    eval_results = []
+    eval_results = eval_report_results([Path(p) for p in eval_reports], export_dir)
     for name, value in (record.get("held_out_ce") or {}).items():
         if name == "ln_free":
             eval_results.append(EvalResult(
@@ -115,7 +150,7 @@ def build_card(export_dir: Path, repo_id: str, report: dict) -> ModelCard:
     )
 
 
-def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path) -> Path:
+def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path, eval_reports: list[Path] = ()) -> Path:
     """Verify `export_dir` and write the exact folder that would be uploaded to `out`."""
     export_dir, out = Path(export_dir), Path(out)
     if not (export_dir / RECORD).is_file():
@@ -127,7 +162,7 @@ def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path) -> Pat
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export_dir, out, ignore=shutil.ignore_patterns(".*"))
-    build_card(export_dir, repo_id, report).save(out / "README.md")
+    build_card(export_dir, repo_id, report, eval_reports).save(out / "README.md")
     write_report(report, out / "verify.json")
     return out
 
@@ -141,6 +176,7 @@ def push(
     dry_run: bool = False,
     dry_run_dir: str | Path | None = None,
     force: bool = False,
+    eval_reports: list[Path] = (),
     api: HfApi | None = None,
 ) -> str:
     """Publish an export; returns the commit URL, or the dry-run folder's path.
@@ -150,10 +186,10 @@ def push(
     """
     if dry_run:
         folder = Path(dry_run_dir or f"{Path(export_dir).as_posix().rstrip('/')}-hub")
-        return str(prepare_folder(export_dir, repo_id, folder))
+        return str(prepare_folder(export_dir, repo_id, folder, eval_reports))
     api = api or HfApi()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = prepare_folder(export_dir, repo_id, Path(tmp) / "upload")
+        folder = prepare_folder(export_dir, repo_id, Path(tmp) / "upload", eval_reports)
         api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
         branch = revision or "main"
         if revision and not api.revision_exists(repo_id, revision, repo_type="model"):

@@ -105,3 +105,20 @@ def test_push_refuses_an_export_that_fails_verify(export):
     with pytest.raises(PushError, match="fails lnfree verify"):
         push(export, "user/tiny-lnfree", api=api)
     assert api.calls == []
+
+
+def test_eval_reports_become_model_index_results(export, tmp_path):
+    from lnfree.evaluate import evaluate, write_report
+
+    report = evaluate([str(export)], "tiny", labels=["ln_free"], n_sequences=4, context=32, n_resamples=10,
+                      cache_dir=str(tmp_path / "cache"))
+    write_report(report, tmp_path / "eval")
+    folder = push(export, "user/tiny-lnfree", dry_run=True, dry_run_dir=tmp_path / "upload", eval_reports=[tmp_path / "eval"])
+    card = ModelCard.load(tmp_path / "upload" / "README.md")
+    assert folder == str(tmp_path / "upload")
+    mean = json.loads((tmp_path / "eval" / "summary.json").read_text())["models"][0]["ce"]["mean"]
+    by_name = {r.metric_name: r for r in card.data.eval_results}
+    assert by_name["mean cross-entropy (nats)"].metric_value == pytest.approx(mean, abs=1e-4)
+    assert by_name["mean cross-entropy (nats)"].dataset_name == "tiny"
+    with pytest.raises(PushError, match="cannot read the eval report"):
+        push(export, "user/tiny-lnfree", dry_run=True, dry_run_dir=tmp_path / "u2", eval_reports=[tmp_path / "missing.json"])

@@ -59,20 +59,16 @@ def evaluation_tokens(
     tokenizer, *, source: str = "tiny", n_sequences: int = 32, length: int = 64, vocab_size: int | None = None,
     cache_dir: str | None = None,
 ) -> torch.Tensor:
-    """The first `n_sequences` held-out sequences of `length` tokens from a data source (deterministic).
+    """The first `n_sequences` sequences of `length` tokens of a dataset (deterministic), as `lnfree eval` reads it.
 
-    `source` is anything `lnfree.data` reads ("tiny" = the bundled model's held-out synthetic text).
+    `source` is anything `lnfree eval --dataset` takes: "tiny" (the bundled model's held-out
+    synthetic text), "owt-val", "pile", "pile-filtered", a Hub dataset id (streamed) or a local path.
     """
-    from lnfree.config import DataConfig
-    from lnfree.data import prepare_data
+    from lnfree.evaluate import load_sequences, resolve_dataset
 
-    config = DataConfig(source=source, context_length=length, cache_dir=cache_dir,
-                        **({"max_documents": 4000, "val_fraction": 0.05} if source == "tiny" else {}))
-    data = prepare_data(config, tokenizer, length, vocab_size or len(tokenizer))
-    tokens = data.eval_batch(n_sequences)
-    if tokens.shape[0] < n_sequences:
-        raise ValueError(f"{source} has only {tokens.shape[0]} held-out sequences of {length} tokens")
-    return tokens
+    sequences = load_sequences(resolve_dataset(source), tokenizer, context=length, n_sequences=n_sequences,
+                               vocab_size=vocab_size or len(tokenizer), cache_dir=cache_dir)
+    return torch.from_numpy(sequences)
 
 
 def bootstrap_ci(
