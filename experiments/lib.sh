@@ -88,7 +88,7 @@ run_analysis() {
   local args=(lnfree analyze "$(toml_get "$config" analysis)"
     --models "$ORIGINAL" "$VANILLA" "$LN_FREE" --labels original,vanilla,ln_free)
   local key value
-  for key in data n_sequences length n_prompts seed; do
+  for key in data n_sequences length n_prompts batch_size seed; do
     value=$(toml_get "$config" "$key")
     [[ -n $value ]] && args+=("--${key//_/-}" "$value")
   done

@@ -330,24 +330,16 @@ def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
         raise EvalError(f"{source} is an lnfree run or checkpoint; --form plain needs a transformers model "
                         "folder or Hub id (use --form hf or folded)")
     module = GPT2LMHeadModel.from_pretrained(location, dtype=torch.float32, local_files_only=Path(location).exists())
-    eps_trick = module.config.layer_norm_epsilon >= EPS_TRICK_THRESHOLD or any(
-        m.eps >= EPS_TRICK_THRESHOLD or m.weight.abs().mean() > 1e3 for m in module.modules() if isinstance(m, nn.LayerNorm))
+    norms = [m for m in module.modules() if isinstance(m, nn.LayerNorm)]
+    scaled = [m for m in norms if m.weight.abs().mean() > 1e3]  # eps-trick weights, w·10⁶/σ
+    if any(m.eps < EPS_TRICK_THRESHOLD for m in scaled):
+        raise EvalError(f"{source} carries eps-trick LayerNorm weights but eps {scaled[0].eps:g} in its config: "
+                        "transformers computes garbage from it; use --form hf or folded (lnfree.load fixes the eps)")
+    eps_trick = module.config.layer_norm_epsilon >= EPS_TRICK_THRESHOLD or any(m.eps >= EPS_TRICK_THRESHOLD for m in norms)
     if eps_trick and dtype == torch.float16:
         raise EvalError(f"{source} is in the eps-trick format, whose 10^6-scaled weights overflow fp16; "
                         "use --dtype fp32/bf16 or --form hf/folded")
     return module.to(dtype).eval()
-
-
-def _fully_ln_free(loaded) -> bool:
-    """Whether a `LoadedModel` is fully LN-free; False for models loaded without lnfree norms.
-
-    (lnfree.load returns a vanilla-control run's checkpoint as a plain GPT-2 with real LayerNorms,
-    on which the norm queries raise.)
-    """
-    try:
-        return loaded.fully_ln_free
-    except ValueError:
-        return False
 
 
 def load_models(
@@ -379,7 +371,7 @@ def load_models(
             loaded = load(source)  # fp32: folding happens before any cast
         except (ValueError, OSError) as err:
             raise EvalError(f"could not load model {source!r}: {err}") from err
-        used, ln_free = form, _fully_ln_free(loaded)
+        used, ln_free = form, loaded.fully_ln_free
         if form == "folded" and ln_free:
             module = loaded.folded().to(torch_dtype)
         elif form == "plain":

@@ -177,6 +177,22 @@ def test_eps_trick_hf_and_folded_forms_give_the_same_ce(tiny_ln_free_export, cac
     assert plain.transformer.ln_f.eps >= 1e6
 
 
+def test_plain_form_refuses_an_eps_trick_file_whose_config_says_1e5(tiny_ln_free_export, tmp_path, cache):
+    import shutil
+
+    stale = tmp_path / "stale"
+    shutil.copytree(tiny_ln_free_export, stale)
+    config = json.loads((stale / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-5  # the published checkpoints' trap: modules rebuilt with eps 1e-5
+    (stale / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ev.EvalError, match="eps-trick LayerNorm weights but eps"):
+        ev.evaluate([str(stale)], "tiny", form="plain", n_sequences=2, device="cpu", cache_dir=cache)
+    hf = ev.evaluate([str(stale)], "tiny", form="hf", n_sequences=4, device="cpu", cache_dir=cache, n_resamples=5)
+    good = ev.evaluate([str(tiny_ln_free_export)], "tiny", form="hf", n_sequences=4, device="cpu", cache_dir=cache,
+                       n_resamples=5)
+    assert abs(hf.models[0].ce.mean - good.models[0].ce.mean) <= 1e-5  # lnfree.load fixes the eps
+
+
 def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     vanilla = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR)
     with torch.no_grad():

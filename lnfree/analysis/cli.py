@@ -19,12 +19,14 @@ ANALYSES = {
 }
 #: Analyses that read held-out token sequences (patching makes its own IOI prompts).
 NEEDS_TOKENS = {"dla", "entropy-neurons", "residual"}
+#: Analyses that take `batch_size` (sequences per forward pass).
+BATCHED = {"dla", "residual"}
 
 
 def run_analyses(
     names: list[str], sources: list[str], out: Path, *, labels: list[str] | None = None, data: str = "tiny",
     n_sequences: int = 32, length: int = 64, n_prompts: int = 32, seed: int = 0, n_bootstrap: int = 1000,
-    cache_dir: str | None = None,
+    batch_size: int = 8, device: str = "auto", cache_dir: str | None = None,
 ) -> dict:
     """Run the named analyses on the same models and tokens; write `out/NAME/…` and an index."""
     from lnfree.analysis.common import evaluation_tokens, load_models, write_summary
@@ -34,10 +36,13 @@ def run_analyses(
         raise ValueError(f"unknown analysis {unknown[0]!r}; choose from {', '.join(ANALYSES)} or 'all'")
     if not sources:
         raise ValueError("give at least one model: --models A [B ...]")
-    models = load_models(sources, labels)
+    models = load_models(sources, labels, device=device)
     vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
     if len(set(vocab.values())) > 1:
         raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same tokens")
+    vocabularies = [m.tokenizer.get_vocab() for m in models]
+    if any(v != vocabularies[0] for v in vocabularies[1:]):
+        raise ValueError("the models' tokenizers differ; analyses compare models on the same tokens")
     tokens = None
     if NEEDS_TOKENS & set(names):
         tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
@@ -49,6 +54,8 @@ def run_analyses(
         kwargs = {"seed": seed, "n_bootstrap": n_bootstrap}
         if name in NEEDS_TOKENS:
             kwargs["tokens"] = tokens
+            if name in BATCHED:
+                kwargs["batch_size"] = batch_size
         else:
             kwargs["n_prompts"] = n_prompts
         summary = module.run(models, out / name, **kwargs)
@@ -67,7 +74,9 @@ def run_analyses(
     return index
 
 
-def _ci(value: float, low: float, high: float) -> str:
+def _ci(value: float, low: float | None, high: float | None) -> str:
+    if low is None or high is None:
+        return f"{value:.3g}"
     return f"{value:.3g} [{low:.3g}, {high:.3g}]"
 
 
@@ -81,18 +90,18 @@ def headline_numbers(name: str, summary: dict) -> dict[str, dict[str, str]]:
     elif name == "patching":
         for label, entry in summary["models"].items():
             for kind, agreement in entry["agreement"].items():
-                for metric in ("nmae", "pearson_r"):
+                for metric, what in (("nmae_per_prompt", "mean per-prompt NMAE"), ("pearson_r", "mean per-prompt Pearson r")):
                     stat = agreement[metric]
-                    key = f"attribution vs activation patching ({kind}): {metric} [95% CI]"
-                    rows.setdefault(key, {})[label] = _ci(stat["value"], stat["ci_low"], stat["ci_high"])
+                    key = f"attribution vs activation patching ({kind}): {what} [95% CI]"
+                    rows.setdefault(key, {})[label] = _ci(stat["value"], stat.get("ci_low"), stat.get("ci_high"))
     elif name == "entropy-neurons":
         last = list(summary["ablations"])[-1]
         for label, entry in summary["per_model"].items():
             stats = entry["ablations"][last]
             key = f"mean-ablating {last} ({' '.join(summary['ablations'][last])}): entropy change % [95% CI]"
             rows.setdefault(key, {})[label] = _ci(stats["relative_entropy_change_percent"],
-                                                  stats["relative_entropy_change_percent_lo"],
-                                                  stats["relative_entropy_change_percent_hi"])
+                                                  stats.get("relative_entropy_change_percent_lo"),
+                                                  stats.get("relative_entropy_change_percent_hi"))
             rows.setdefault(f"median abs ΔH ({last})", {})[label] = f"{stats['median_abs_delta_entropy']:.3g}"
     elif name == "residual":
         for label, entry in summary["models"].items():
@@ -144,6 +153,8 @@ def analyze(
     n_prompts: Annotated[int, typer.Option(help="IOI prompts for patching.")] = 32,
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for CIs.")] = 1000,
     seed: Annotated[int, typer.Option()] = 0,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass for DLA and residual norms (1 for GPT-2 XL DLA).", min=1)] = 8,
+    device: Annotated[str, typer.Option(help="auto (CUDA if available), cpu, cuda, cuda:1, …")] = "auto",
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/analysis"),
 ) -> None:
     """Run interpretability analyses (DLA vs DE, patching, entropy neurons, residual norms/sinks) on models."""
@@ -152,7 +163,7 @@ def analyze(
     label_list = [s.strip() for s in labels.split(",")] if labels else None
     try:
         run_analyses(names, sources, out, labels=label_list, data=data, n_sequences=n_sequences, length=length,
-                     n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap)
+                     n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap, batch_size=batch_size, device=device)
     except (ValueError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)

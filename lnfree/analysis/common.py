@@ -45,14 +45,24 @@ def default_label(source: str) -> str:
     return path.name or str(source)
 
 
-def load_models(sources: Sequence[str], labels: Sequence[str] | None = None) -> list[AnalysisModel]:
-    """Load every source with `lnfree.load`; labels default to the sources' folder names."""
+def load_models(
+    sources: Sequence[str], labels: Sequence[str] | None = None, *, device: str = "cpu",
+) -> list[AnalysisModel]:
+    """Load every source with `lnfree.load` (fp32, on `device`); labels default to the sources' folder names."""
     if labels is not None and len(labels) != len(sources):
         raise ValueError(f"{len(labels)} labels for {len(sources)} models")
     labels = list(labels) if labels is not None else [default_label(s) for s in sources]
     if len(set(labels)) != len(labels):
         raise ValueError(f"model labels must be unique, got {labels}; pass labels explicitly")
-    return [AnalysisModel(label, load(source)) for label, source in zip(labels, sources)]
+    from lnfree.evaluate import resolve_device
+
+    target = resolve_device(device)
+    models = []
+    for label, source in zip(labels, sources):
+        loaded = load(source)
+        loaded.model.to(target)
+        models.append(AnalysisModel(label, loaded))
+    return models
 
 
 def evaluation_tokens(
@@ -79,7 +89,7 @@ def bootstrap_ci(
     values = np.asarray(values, dtype=np.float64)
     rng = np.random.default_rng(seed)
     n = values.shape[0]
-    if n == 0:
+    if n == 0 or n_resamples < 1:
         return float("nan"), float("nan")
     stats = np.array([statistic(values[rng.integers(0, n, n)]) for _ in range(n_resamples)])
     alpha = (1 - level) / 2

@@ -82,8 +82,6 @@ def _describe(label: str) -> tuple[str, int | None, int | None]:
         return "attn_bias", int(layer_part[1:]), None
     if rest == "mlp":
         return "mlp", int(layer_part[1:]), None
-    if rest == "attn":
-        return "attn", int(layer_part[1:]), None
     layer, _, head = label[1:].partition("H")
     return "head", int(layer), int(head)
 
@@ -135,6 +133,33 @@ def _slice(decomposition: ResidualDecomposition, index: int) -> ResidualDecompos
     )
 
 
+#: Components whose DE is computed at once (bounds memory: chunk × positions × d_model float64).
+COMPONENT_CHUNK = 64
+
+
+def _target_logit_without(bridge: Any, x: torch.Tensor, comps: torch.Tensor, W_t: torch.Tensor) -> torch.Tensor:
+    """logit_t(x − c) for each component c, with the final norm recomputed, from reductions over d_model.
+
+    ``x [P, d]``, ``comps [C, P, d]``, ``W_t [P, d]`` (each position's target column); returns
+    ``[C, P]``. For a LayerNorm, with centred x̃, c̃: var(x − c) = var x − 2·cov(x, c) + var c and
+    (x̃ − c̃)·(w ⊙ W_t), so no ``[C, P, d]`` normalised copy is ever materialised.
+    """
+    if bridge.cfg.normalization_type is None:
+        return ((x.unsqueeze(0) - comps) * W_t).sum(-1)
+    norm = bridge.ln_final.original_component
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None)
+    w_t = W_t if weight is None else W_t * weight.detach().double()
+    x_c = x - x.mean(-1, keepdim=True)
+    c_c = comps - comps.mean(-1, keepdim=True)
+    var = (x_c.pow(2).mean(-1) - 2 * (c_c * x_c).mean(-1) + c_c.pow(2).mean(-1)).clamp_min(0)
+    projected = (x_c * w_t).sum(-1) - (c_c * w_t).sum(-1)
+    logit = projected / torch.sqrt(var + float(bridge.cfg.eps))
+    if bias is not None:
+        logit = logit + (bias.detach().double() * W_t).sum(-1)
+    return logit
+
+
 def _one_sequence(bridge: Any, decomposition: ResidualDecomposition, targets: torch.Tensor):
     """DLA, DE, bias and target logit of one sequence (``decomposition`` holds a batch of one)."""
     n_pred = targets.shape[0]
@@ -146,11 +171,13 @@ def _one_sequence(bridge: Any, decomposition: ResidualDecomposition, targets: to
     target_logits = decomposition.logits[0, positions, targets]
 
     # DE in float64: logit_t(x) − logit_t(x − c) with the final norm recomputed on x − c.
-    W_t = bridge.W_U.detach().double()[:, targets].T  # [n_pred, d_model]
+    W_t = bridge.W_U.detach()[:, targets].double().T  # [n_pred, d_model]
     x = decomposition.final_resid[0, :n_pred].double()  # [n_pred, d_model]
-    comps = decomposition.components[:, 0, :n_pred].double()  # [C, n_pred, d_model]
     full = (final_norm(bridge, x) * W_t).sum(-1)  # [n_pred]
-    ablated = (final_norm(bridge, x.unsqueeze(0) - comps) * W_t).sum(-1)  # [C, n_pred]
+    ablated = torch.cat([
+        _target_logit_without(bridge, x, chunk[:, 0, :n_pred].double(), W_t)
+        for chunk in decomposition.components.split(COMPONENT_CHUNK)
+    ])  # [C, n_pred]
     de = full.unsqueeze(0) - ablated
     return dla, de, bias_t, target_logits
 

@@ -27,8 +27,10 @@ restores the clean behaviour. Agreement per model is the per-prompt NMAE
 ``sum|act - attr| / sum|act|`` and Pearson r over the prompt's informative cells (those whose
 activation differs between the clean and corrupted runs), plus the global NMAE (ratio of sums) and
 the pooled r, each with a bootstrap CI that resamples partner pairs (a prompt and its partner share
-their runs, so the pair is the independent unit). NMAE and r are invariant to the per-prompt
-normalisation; the heatmaps (means over prompts of normalised values) are not.
+their runs, so the pair is the independent unit). The per-prompt NMAE and r are invariant to the
+per-prompt normalisation and are the headline numbers. The global NMAE, the pooled r and the
+heatmaps (means over prompts) use normalised values, which weight each prompt by 1/|gap|: a prompt
+whose clean and corrupted runs barely differ can dominate them.
 
 On an exactly LN-free model the only non-linearities left are attention softmax and the MLPs; on
 an original model the final and per-block LayerNorm scales add more. Whether that makes
