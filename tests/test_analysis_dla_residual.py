@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import numpy as np
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
@@ -66,7 +67,14 @@ def test_layernorm_model_dla_differs_from_de_and_de_is_an_ablation(models, token
     heads = torch.as_tensor(result.mask("head"))
     gap = (result.dla[heads].double() - result.de[heads]).abs()
     assert gap.amax(dim=(1, 2)).max() > 1e-2  # at least one head has DLA != DE
-    assert dla.global_nmae(result, n_resamples=50)["nmae"] > 1e-2
+    stats = dla.global_nmae(result, n_resamples=50)
+    assert stats["nmae"] > 1e-2
+    # global NMAE is a ratio of sums over heads × samples, per-head NMAE a ratio of means
+    d, e = result.dla[heads].double().numpy(), result.de[heads].double().numpy()
+    assert stats["nmae"] == pytest.approx(np.abs(d - e).sum() / np.abs(e).sum(), rel=1e-9)
+    table = dla.component_table(result, "original")
+    first = table[table["kind"] == "head"].iloc[0]
+    assert first["nmae"] == pytest.approx(np.abs(d[0] - e[0]).mean() / np.abs(e[0]).mean(), rel=1e-9)
     # DLA at the cached scale is still an exact decomposition of the target logits
     expected = _target_logits(models["original"], tokens)
     torch.testing.assert_close(result.dla.sum(0) + result.bias, expected, atol=1e-4, rtol=0)

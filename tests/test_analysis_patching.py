@@ -268,3 +268,35 @@ def test_run_writes_tables_figures_and_summary(original, ln_free, tmp_path):
     info = summary["models"]["ln_free"]
     assert info["ln_free"] and info["agreement"]["resid_pre"]["n_prompts"] == 4
     assert any(p.endswith("patching_heatmaps_original.html") for p in summary["figures"])
+
+
+def test_attribution_is_the_directional_derivative_at_the_corrupted_run(original, tiny_tokenizer):
+    """Attribution = d/dε m(corrupted + ε·(clean − corrupted)) at ε = 0 (central differences, float64).
+
+    On a non-linear model this tells the corrupted-run gradient from the clean-run gradient.
+    """
+    bridge = original.bridge()
+    prompts = make_ioi_prompts(tiny_tokenizer, 2, seed=1)
+    attribution = patching.attribution_patching(bridge, prompts, "resid_pre")
+    clean = patching.cache_activations(bridge, prompts.clean_ids, "resid_pre")
+    corrupted = patching.cache_activations(bridge, prompts.corrupted_ids, "resid_pre")
+    layer, position, eps = 1, prompts.s2_position, 1e-3
+    name = hook_name("resid_pre", layer)
+
+    def metric(i: int, scale: float) -> float:
+        def shift(x, hook):
+            x = x.clone()
+            delta = (clean[layer, i, position] - corrupted[layer, i, position]).to(x.dtype)
+            x[:, position] = x[:, position] + scale * delta
+            return x
+
+        with torch.no_grad(), bridge.hooks(fwd_hooks=[(name, shift)]):
+            logits = bridge(prompts.corrupted_ids[i : i + 1], return_type="logits")[0, -1].double()
+        return float(logits[prompts.io_ids[i]] - logits[prompts.s_ids[i]])
+
+    at_corrupted = [(metric(i, eps) - metric(i, -eps)) / (2 * eps) for i in range(2)]
+    at_clean = [(metric(i, 1 + eps) - metric(i, 1 - eps)) / (2 * eps) for i in range(2)]
+    for i in range(2):
+        value = float(attribution[i, layer, position])
+        assert value == pytest.approx(at_corrupted[i], rel=2e-2, abs=2e-3)
+        assert abs(at_clean[i] - at_corrupted[i]) > 10 * abs(value - at_corrupted[i])  # the test can tell them apart
