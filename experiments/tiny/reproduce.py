@@ -25,19 +25,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results" / "tiny"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = Path("experiments/results/tiny")  # paths are relative to the repository root, where commands run
 LABELS = "original,vanilla,ln_free"
 # Fields that legitimately differ between runs: timings, absolute paths, versions.
 VOLATILE = {"seconds", "train_seconds", "total_seconds", "checkpoint", "export", "control_dir", "source", "repr",
-            "out", "path", "paths", "figures", "tables", "created", "lnfree_version"}
+            "out", "path", "paths", "figures", "tables", "files", "summary_path", "created", "lnfree_version"}
 
 
 def lnfree(*args: str) -> None:
     """Run one `lnfree` command in this interpreter; stop on failure."""
     command = [sys.executable, "-m", "lnfree", *args]
     print("$ lnfree " + " ".join(args), flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=REPO)
 
 
 def reproduce(results: Path, work: Path) -> None:
@@ -45,15 +45,33 @@ def reproduce(results: Path, work: Path) -> None:
     run = work / "run"
     lnfree("remove", "-o", str(run), "--overwrite")
     models = ["tiny", str(run / "control"), str(run / "export")]
-    if results.exists():
-        shutil.rmtree(results)
-    results.mkdir(parents=True)
+    if (REPO / results).exists():
+        shutil.rmtree(REPO / results)
+    (REPO / results).mkdir(parents=True)
     lnfree("verify", str(run / "export"), "-o", str(results / "verify.json"))
     lnfree("eval", *models, "--labels", LABELS, "--dataset", "tiny", "--out", str(results / "eval"))
     lnfree("analyze", "all", "--models", *models, "--labels", LABELS, "--out", str(results / "analysis"))
-    shutil.copy(run / "summary.json", results / "removal_summary.json")
-    shutil.copy(run / "log.jsonl", results / "removal_log.jsonl")
-    shutil.copy(run / "control" / "log.jsonl", results / "control_log.jsonl")
+    for source, name in ((run / "summary.json", "removal_summary.json"), (run / "log.jsonl", "removal_log.jsonl"),
+                         (run / "control" / "log.jsonl", "control_log.jsonl")):
+        shutil.copy(REPO / source, REPO / results / name)
+    write_readme(REPO / results)
+
+
+def write_readme(results: Path) -> None:
+    """A short page pointing at everything the reproduction wrote."""
+    summary = json.loads((results / "removal_summary.json").read_text())
+    ce = summary["held_out_ce"]
+    lines = [
+        "# Tiny-model reproduction (CPU)", "",
+        "Regenerate with `python experiments/tiny/reproduce.py`; check with `--check`.", "",
+        f"Removal: {summary['steps']} steps, {summary['tokens']:,} tokens; held-out CE "
+        + ", ".join(f"{k} {v:.4f}" for k, v in ce.items()) + ".", "",
+        "- `removal_summary.json`, `removal_log.jsonl`, `control_log.jsonl`: the removal run and its vanilla control",
+        "- `verify.json`: every representation of the export vs the exact form",
+        "- [`eval/comparison.md`](eval/comparison.md): cross-entropy, percentiles, ECE, pairwise JSD",
+        "- [`analysis/index.md`](analysis/index.md): DLA vs DE, patching, entropy neurons, residual norms and sinks",
+    ]
+    (results / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def _numbers(value, path: str = ""):
@@ -88,6 +106,7 @@ def _file_numbers(path: Path) -> dict[str, float]:
 
 def compare(committed: Path, fresh: Path, rtol: float, atol: float) -> list[str]:
     """Differences between two results folders' numbers (JSON, JSONL and CSV files)."""
+    committed, fresh = REPO / committed, REPO / fresh
     problems = []
     for old in sorted(committed.rglob("*")):
         if old.suffix not in {".json", ".jsonl", ".csv"} or old.name in {"verify.json"}:

@@ -146,7 +146,7 @@ def analyze(
     name: Annotated[str, typer.Argument(help=f"One of {', '.join(ANALYSES)}, or 'all'.")],
     more_models: Annotated[Optional[list[str]], typer.Argument(help="Further models after --models A.", show_default=False)] = None,
     models: Annotated[Optional[list[str]], typer.Option("--models", "-m", help="Models (folders, Hub ids, 'tiny'): --models A B C.")] = None,
-    labels: Annotated[Optional[str], typer.Option(help="Comma-separated labels, e.g. original,vanilla,ln_free.")] = None,
+    labels: Annotated[Optional[str], typer.Option(help="One label per model, space- or comma-separated: original vanilla ln_free.")] = None,
     data: Annotated[str, typer.Option(help="Token source for DLA, entropy neurons and residual norms: any `lnfree eval --dataset` (tiny, owt-val, pile, pile-filtered, a Hub id, a path).")] = "tiny",
     n_sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 32,
     length: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
