@@ -30,7 +30,8 @@ RESULTS = Path("experiments/results/tiny")  # paths are relative to the reposito
 LABELS = "original,vanilla,ln_free"
 # Fields that legitimately differ between runs: timings, absolute paths, versions.
 VOLATILE = {"seconds", "train_seconds", "total_seconds", "checkpoint", "export", "control_dir", "source", "repr",
-            "out", "path", "paths", "figures", "tables", "files", "summary_path", "created", "lnfree_version"}
+            "out", "path", "paths", "figures", "tables", "files", "summary_path", "created", "lnfree_version",
+            "timing_s"}
 
 
 def lnfree(*args: str) -> None:
