@@ -2,7 +2,7 @@
 
 A GPT-2-small-shaped model (12 × 768, random init) on CPU with short sequences. One step is
 forward + backward + AdamW + (for the removal model) the σ update. The three variants are
-timed interleaved, round-robin, so drift in machine load hits all of them alike; the script
+timed interleaved, round-robin with the order rotated every round, so drift in machine load hits all of them alike; the script
 prints the median of each and the ratios to the plain model.
 
     python benchmarks/step_time.py [--steps 15] [--batch 4] [--seq 64] [--threads 2]
@@ -64,8 +64,11 @@ def main() -> None:
         "lnfree, all fake": make_step(fake, True, ids),
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
     for round_ in range(args.warmup + args.steps):
-        for name, step in steps.items():
+        # Rotate the order every round so no variant always runs first (or right after another).
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            step = steps[name]
             started = time.perf_counter()
             step()
             if round_ >= args.warmup:

@@ -238,9 +238,14 @@ class NormalisedQKV(nn.Module):
         # Both real: the per-token std is the same for both paths, so normalise once.
         return not (self.qk.is_fake or self.v.is_fake)
 
+    def _paths_fixed_scalar(self) -> bool:
+        # Both fixed, one σ per path for every token: the scales fold into the weight columns.
+        return self.qk.is_fake and self.v.is_fake and not (self.qk.wants_context or self.v.wants_context)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1] + (self.nf,)
         flat = x.reshape(-1, self.nx)
+        split = 2 * self.nx
         if self._paths_share_norm():
             if self.training or self.qk.collecting:
                 std = self.qk.token_std(x)
@@ -248,7 +253,14 @@ class NormalisedQKV(nn.Module):
                 self.v.observe(std)
             h = F.layer_norm(flat, (self.nx,), self.norm_weight, self.norm_bias, self.qk.eps)
             return torch.addmm(self.bias, h, self.weight).view(shape)
-        split = 2 * self.nx
+        if self._paths_fixed_scalar():
+            # ((x − μ)/σ_path · w + b) @ W + c = (((x − μ)·w) @ W) / σ_path + (b @ W + c): one matmul,
+            # the per-path scales applied to its output columns.
+            column_scale = torch.cat([self.qk.sigma.expand(split), self.v.sigma.expand(self.nf - split)]).reciprocal()
+            centred = flat - flat.mean(dim=-1, keepdim=True)
+            bias = torch.addmv(self.bias, self.weight.t(), self.norm_bias)
+            projected = torch.mm(centred * self.norm_weight, self.weight)
+            return torch.addcmul(bias, projected, column_scale.to(projected.dtype)).view(shape)
         h_qk = self.qk.normalise(x, self.norm_weight, self.norm_bias).reshape(-1, self.nx)
         h_v = self.v.normalise(x, self.norm_weight, self.norm_bias).reshape(-1, self.nx)
         qk = torch.addmm(self.bias[:split], h_qk, self.weight[:, :split])
