@@ -76,7 +76,7 @@ def remove(
 ) -> None:
     """Fine-tune a GPT-2 while removing its LayerNorms one by one, then export it LN-free."""
     from lnfree.config import with_overrides
-    from lnfree.export import write_export
+    from lnfree.export import export_run
     from lnfree.train import run
 
     try:
@@ -123,13 +123,7 @@ def remove(
         summary["held_out_ce"]["vanilla"] = control_result.held_out_ce_end
         summary["control_dir"] = str(control_result.output_dir)
     if cfg.removal.mode == "remove":
-        export_dir = out / "export"
-        record = {"run_config": json.loads(result.config.model_dump_json()), "events": result.events,
-                  "held_out_ce": summary["held_out_ce"]}
-        from transformers import AutoTokenizer
-
-        write_export(result.model, AutoTokenizer.from_pretrained(out / "tokenizer"), export_dir, record, overwrite=True)
-        summary["export"] = str(export_dir)
+        summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
         summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 

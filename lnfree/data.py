@@ -35,7 +35,8 @@ class DataError(ValueError):
     """A data source that cannot be read or does not fit the model."""
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's full definition (cache keys, same-tokenizer checks)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -177,7 +178,7 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
             eot, f"{path} (pre-tokenised)",
         )
     key_fields = {
-        "format": CACHE_FORMAT, "tokenizer": _tokenizer_fingerprint(tokenizer), "eot": eot,
+        "format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
         **config.model_dump(include={"source", "revision", "split", "text_field", "val_fraction", "val_seed", "max_documents"}),
     }
     if Path(config.source).expanduser().exists():

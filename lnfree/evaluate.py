@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnfree.analysis.common import bootstrap_ci, default_label, write_summary, write_table
+from lnfree.analysis.common import bootstrap_ci, model_labels, write_summary, write_table
+from lnfree.data import tokenizer_fingerprint
 
 SCORING_CONVENTION = (
     "each sequence of L tokens scores its L-1 next-token predictions: the target at position t (1 <= t < L) "
@@ -152,12 +153,6 @@ def resolve_dataset(
                        description=f"Hugging Face dataset {name} (split {split or 'train'}, streamed)")
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
-    from lnfree.data import _tokenizer_fingerprint as fingerprint
-
-    return fingerprint(tokenizer)
-
-
 def _rows_to_sequences(
     rows: Iterable[Mapping[str, Any]], tokenizer, context: int, n_sequences: int | None, text_field: str,
     *, progress: bool = False, batch: int = 256,
@@ -211,7 +206,7 @@ def _rows_to_sequences(
 
 
 def _cache_file(spec: DatasetSpec, tokenizer, context: int, n: int | None, cache_dir: str | None) -> Path:
-    key = json.dumps({"spec": asdict(spec), "tokenizer": _tokenizer_fingerprint(tokenizer),
+    key = json.dumps({"spec": asdict(spec), "tokenizer": tokenizer_fingerprint(tokenizer),
                       "context": context, "n": n, "format": 1}, sort_keys=True)
     root = Path(cache_dir or Path.home() / ".cache" / "lnfree" / "eval").expanduser()
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
@@ -359,11 +354,10 @@ def load_models(
         raise EvalError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
     if not sources:
         raise EvalError("give at least one model")
-    if labels is not None and len(labels) != len(sources):
-        raise EvalError(f"{len(labels)} labels for {len(sources)} models")
-    labels = list(labels) if labels else [default_label(s) for s in sources]
-    if len(set(labels)) != len(labels):
-        raise EvalError(f"model labels must be unique, got {labels}; pass --labels")
+    try:
+        labels = model_labels(sources, labels)
+    except ValueError as err:
+        raise EvalError(str(err)) from err
     torch_dtype = DTYPES[dtype]
     models = []
     for label, source in zip(labels, sources):
@@ -398,12 +392,14 @@ class TokenScores:
     top1: torch.Tensor  # top-1 token id (int64)
 
 
-def token_statistics(logits: torch.Tensor, targets: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-position CE, entropy, top-1 probability and id from next-token logits (fp32 maths).
+def token_statistics(
+    logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.float32,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-position CE, entropy, top-1 probability and id from next-token logits (maths in `dtype`).
 
     `logits` (…, V) predicts `targets` (…); returns the statistics and the log-probabilities.
     """
-    logp = F.log_softmax(logits.float(), dim=-1)
+    logp = F.log_softmax(logits.to(dtype), dim=-1)
     p = logp.exp()
     ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
@@ -799,7 +795,7 @@ def evaluate(
         n_sequences = spec.n_sequences if spec.how != "tiny" else 64
         if n_sequences is None and spec.how == "stream":
             n_sequences = 1000
-    fingerprints = {m.label: _tokenizer_fingerprint(m.tokenizer) for m in models}
+    fingerprints = {m.label: tokenizer_fingerprint(m.tokenizer) for m in models}
     tokens: dict[str, torch.Tensor] = {}
     by_fingerprint: dict[str, torch.Tensor] = {}
     for m in models:

@@ -130,6 +130,26 @@ def write_export(
     return out
 
 
+def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | None = None) -> Path:
+    """Export a finished removal run (`lnfree.train.RunResult`) to `out` (default: its `export/` folder).
+
+    The record holds the run config, the removal events and the held-out CE (by default the run's
+    original and LN-free values; pass `held_out_ce` to add e.g. the vanilla control's).
+    """
+    from transformers import AutoTokenizer
+
+    from lnfree.train import TOKENIZER
+
+    out = Path(out) if out is not None else result.output_dir / "export"
+    record = {
+        "run_config": json.loads(result.config.model_dump_json()),
+        "events": result.events,
+        "held_out_ce": held_out_ce or {"original": result.held_out_ce_start, "ln_free": result.held_out_ce_end},
+    }
+    tokenizer = AutoTokenizer.from_pretrained(result.output_dir / TOKENIZER)
+    return write_export(result.model, tokenizer, out, record, overwrite=True)
+
+
 def load_checkpoint(checkpoint: str | Path) -> tuple[GPT2LMHeadModel, object, RunConfig]:
     """Rebuild the installed model of a training checkpoint: (model, tokenizer, run config)."""
     from transformers import GPT2Config

@@ -30,6 +30,7 @@ def run_analyses(
 ) -> dict:
     """Run the named analyses on the same models and tokens; write `out/NAME/…` and an index."""
     from lnfree.analysis.common import evaluation_tokens, load_models, write_summary
+    from lnfree.data import tokenizer_fingerprint
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
@@ -40,8 +41,7 @@ def run_analyses(
     vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
     if len(set(vocab.values())) > 1:
         raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same tokens")
-    vocabularies = [m.tokenizer.get_vocab() for m in models]
-    if any(v != vocabularies[0] for v in vocabularies[1:]):
+    if len({tokenizer_fingerprint(m.tokenizer) for m in models}) > 1:
         raise ValueError("the models' tokenizers differ; analyses compare models on the same tokens")
     tokens = None
     if NEEDS_TOKENS & set(names):

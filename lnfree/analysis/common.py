@@ -45,15 +45,21 @@ def default_label(source: str) -> str:
     return path.name or str(source)
 
 
+def model_labels(sources: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
+    """One unique label per source; by default the sources' folder names."""
+    if labels is not None and len(labels) != len(sources):
+        raise ValueError(f"{len(labels)} labels for {len(sources)} models")
+    labels = list(labels) if labels else [default_label(s) for s in sources]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"model labels must be unique, got {labels}; pass labels explicitly")
+    return labels
+
+
 def load_models(
     sources: Sequence[str], labels: Sequence[str] | None = None, *, device: str = "cpu",
 ) -> list[AnalysisModel]:
     """Load every source with `lnfree.load` (fp32, on `device`); labels default to the sources' folder names."""
-    if labels is not None and len(labels) != len(sources):
-        raise ValueError(f"{len(labels)} labels for {len(sources)} models")
-    labels = list(labels) if labels is not None else [default_label(s) for s in sources]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"model labels must be unique, got {labels}; pass labels explicitly")
+    labels = model_labels(sources, labels)
     from lnfree.evaluate import resolve_device
 
     target = resolve_device(device)

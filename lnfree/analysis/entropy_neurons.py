@@ -80,6 +80,7 @@ from lnfree.analysis.common import (
     AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
 )
 from lnfree.bridge import hook_name
+from lnfree.evaluate import token_statistics
 
 __all__ = [
     "KNOWN_ENTROPY_NEURONS",
@@ -400,9 +401,9 @@ def _token_stats(logits: torch.Tensor, ids: torch.Tensor, slice_tokens: int = 51
     ce = torch.empty(rows * n_pos, dtype=torch.float64)
     for start in range(0, rows * n_pos, slice_tokens):
         stop = start + slice_tokens
-        log_p = torch.log_softmax(flat[start:stop].to(torch.float64), dim=-1)
-        entropy[start:stop] = (-(log_p.exp() * log_p).sum(-1)).cpu()
-        ce[start:stop] = (-log_p.gather(-1, targets[start:stop, None]).squeeze(-1)).cpu()
+        stats, _ = token_statistics(flat[start:stop], targets[start:stop], dtype=torch.float64)
+        entropy[start:stop] = stats["entropy"].cpu()
+        ce[start:stop] = stats["ce"].cpu()
     return entropy.view(rows, n_pos), ce.view(rows, n_pos)[:, :-1]
 
 
