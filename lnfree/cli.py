@@ -150,14 +150,19 @@ def schedule(
     from lnfree.models import load_config as load_model_config
     from lnfree.train import resolve_run
 
+    from lnfree.arch import architecture
+    from lnfree.schedule import PER_LAYER_KINDS
+
     cfg = _base_config(preset, config, None)
+    stages = PER_LAYER_KINDS[:3]
     if n_layer is None:
         try:
-            n_layer = load_model_config(cfg.model).n_layer
+            arch = architecture(load_model_config(cfg.model))
         except ValueError as err:
             _fail(f"{err} (pass --n-layer)")
+        n_layer, stages = arch.n_layers, arch.stages
     try:
-        cfg, timeline = resolve_run(cfg, n_layer)
+        cfg, timeline = resolve_run(cfg, n_layer, stages)
     except ValueError as err:
         _fail(str(err))
     typer.echo(f"{cfg.description or cfg.model} — {n_layer} blocks, {cfg.train.max_steps} steps")

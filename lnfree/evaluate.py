@@ -316,23 +316,25 @@ def resolve_device(device: str) -> torch.device:
 
 def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
     """The checkpoint exactly as `transformers` loads it (an export's eps-trick norms included)."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
+    from lnfree.arch import architecture
+    from lnfree.arch.base import norm_eps
     from lnfree.models import EPS_TRICK_THRESHOLD, resolve_model_source
 
     location = resolve_model_source(source)
     if (Path(location) / "run_config.json").is_file() or (Path(location) / "trainer_state.json").is_file():
         raise EvalError(f"{source} is an lnfree run or checkpoint; --form plain needs a transformers model "
                         "folder or Hub id (use --form hf or folded)")
-    module = GPT2LMHeadModel.from_pretrained(location, dtype=torch.float32, local_files_only=Path(location).exists())
-    norms = [m for m in module.modules() if isinstance(m, nn.LayerNorm)]
-    scaled = [m for m in norms if m.weight.abs().mean() > 1e3]  # eps-trick weights, w·10⁶/σ
-    if any(m.eps < EPS_TRICK_THRESHOLD for m in scaled):
-        raise EvalError(f"{source} carries eps-trick LayerNorm weights but eps {scaled[0].eps:g} in its config: "
+    module = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, local_files_only=Path(location).exists())
+    norms = [module.get_submodule(site.module) for site in architecture(module).sites()]
+    scaled = [m for m in norms if m.weight.abs().mean() > 1e3]  # eps-trick weights, w·√E/σ
+    if any(norm_eps(m) < EPS_TRICK_THRESHOLD for m in scaled):
+        raise EvalError(f"{source} carries eps-trick norm weights but eps {norm_eps(scaled[0]):g} in its config: "
                         "transformers computes garbage from it; use --form hf or folded (lnfree.load fixes the eps)")
-    eps_trick = module.config.layer_norm_epsilon >= EPS_TRICK_THRESHOLD or any(m.eps >= EPS_TRICK_THRESHOLD for m in norms)
+    eps_trick = any(norm_eps(m) >= EPS_TRICK_THRESHOLD for m in norms)
     if eps_trick and dtype == torch.float16:
-        raise EvalError(f"{source} is in the eps-trick format, whose 10^6-scaled weights overflow fp16; "
+        raise EvalError(f"{source} is in the eps-trick format, whose scaled weights overflow fp16; "
                         "use --dtype fp32/bf16 or --form hf/folded")
     return module.to(dtype).eval()
 

@@ -1,31 +1,40 @@
-"""Export an LN-free model as a plain `GPT2LMHeadModel` in the eps-trick format, and reload runs.
+"""Export an LN-free model as a plain transformers model in the eps-trick format, and reload runs.
 
-Eps-trick format (the one shared on the Hub): every fixed-scale norm becomes a LayerNorm with
-eps = 1e12 and weight = w · 1e6 / σ, so LN(x) = (x − mean)/sqrt(var + 1e12) · w·1e6/σ, which in
-fp32 equals (x − mean)/σ · w + b exactly while var < ~3·10⁴. `config.layer_norm_epsilon` is set
-to 1e12 too, because some loaders (TransformerLens) read eps from the config. A block whose
-Q/K and V paths froze different σ keeps ln_1 at σ_qk and folds σ_qk/σ_v into the V columns of
-`c_attn` (weight and bias), which is exact.
+Eps-trick format (the one shared on the Hub for GPT-2): every fixed-scale norm becomes a real norm
+with a huge eps E and weight w·√E/σ, so LN(x) = (x − mean)/sqrt(var + E) · w·√E/σ (RMSNorm alike,
+without centring), which in fp32 equals (x − mean)/σ · w + b exactly while var + E rounds to E,
+i.e. while the input's variance (mean square for RMSNorm) m stays below half an ulp of E
+(E·2⁻²⁴). E is chosen per export from the largest m measured at any norm input (position 0 and
+EOT included) with a safety factor `EPS_SAFETY`; GPT-2 keeps E = 10¹² (weights ×10⁶, the
+published format) wherever that is exact. The config's eps field is set to E too, because plain
+`from_pretrained` and TransformerLens read eps from the config. An attention-input norm whose Q/K
+and V paths froze different σ keeps σ_qk and folds σ_qk/σ_v into the V columns of its consumers
+(weight and bias), which is exact.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lnfree import __version__, surgery
+from lnfree.arch import architecture
+from lnfree.arch.base import set_norm_eps, v_mask
+from lnfree.arch.norms import ScaleState
 from lnfree.config import RunConfig
-from lnfree.fakeln import ScaleState
 
 EPS_TRICK_EPS = 1e12
-EPS_TRICK_SCALE = 1e6
+EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
+EPS_SAFETY = 2.0  # the largest measured m times this must stay below E·2⁻²⁴
 RECORD = "lnfree_removal.json"
 
 
@@ -33,79 +42,152 @@ class ExportError(ValueError):
     """A model or run that cannot be exported as asked."""
 
 
-def _set_norm(ln: torch.nn.LayerNorm, weight: torch.Tensor, bias: torch.Tensor, state: ScaleState) -> None:
+def choose_eps(peak: float | None) -> float:
+    """The smallest power of ten ≥ 10¹² for which `peak` (the largest norm-input variance or mean
+    square measured) times `EPS_SAFETY` is below half an ulp of eps in fp32, so the trick is exact."""
+    eps = EPS_TRICK_EPS
+    while peak is not None and peak * EPS_SAFETY > 2.0 ** (math.floor(math.log2(eps)) - 24):
+        eps *= 10
+    return eps
+
+
+def eps_trick_error(peak: float, eps: float) -> float:
+    """Worst relative error of an eps-trick norm whose input has variance (mean square) `peak`."""
+    exact = peak < 2.0 ** (math.floor(math.log2(eps)) - 24)
+    return 0.0 if exact else 1.0 - 1.0 / math.sqrt(1.0 + peak / eps)
+
+
+@torch.no_grad()
+def norm_input_peaks(model: nn.Module, batches) -> dict[str, float]:
+    """Per slot, the largest per-token variance (LayerNorm) or mean square (RMSNorm) of the norm's
+    input over `batches` of input ids, every position included (the eps-trick's worst case)."""
+    arch = architecture(model)
+    peaks: dict[str, torch.Tensor] = {}
+    handles = []
+    for slots, module in surgery.norm_input_modules(model):
+        def hook(mod, args, slots=slots):
+            x = args[0].detach().double()
+            m = x.var(-1, unbiased=False) if arch.norm_kind == "layer" else x.pow(2).mean(-1)
+            for slot in slots:
+                peaks[slot] = torch.maximum(peaks.get(slot, m.new_zeros(())), m.max())
+        handles.append(module.register_forward_pre_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        for input_ids in batches:
+            model(input_ids=input_ids.to(next(model.parameters()).device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return {slot: float(value) for slot, value in peaks.items()}
+
+
+def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState, eps: float) -> None:
     if state.wants_context:
         raise ExportError("a special σ (position 0 / EOT) is still active; the eps-trick format cannot hold it")
     with torch.no_grad():
         if state.is_fake:
-            ln.eps = EPS_TRICK_EPS
-            ln.weight.copy_(weight.double() * EPS_TRICK_SCALE / state.sigma.double())
+            set_norm_eps(norm, eps)
+            norm.weight.copy_(weight.double() * math.sqrt(eps) / state.sigma.double())
         else:
-            ln.eps = state.eps
-            ln.weight.copy_(weight)
-        ln.bias.copy_(bias)
+            set_norm_eps(norm, state.eps)
+            norm.weight.copy_(weight)
+        if bias is not None:
+            norm.bias.copy_(bias)
 
 
-def to_eps_trick(model: GPT2LMHeadModel, *, allow_partial: bool = False) -> GPT2LMHeadModel:
-    """A plain fp32 `GPT2LMHeadModel` computing what the installed `model` computes.
+@torch.no_grad()
+def _fold_v_ratio(plain: nn.Module, site, split, arch) -> None:
+    """Keep ln_1 at σ_qk and fold σ_qk/σ_v into the V columns of its consumers (exact)."""
+    ratio = split.qk.sigma.double() / split.v.sigma.double()
+    for consumer in site.consumers:
+        proj = plain.get_submodule(consumer.path)
+        weight = proj.weight if arch.conv1d else proj.weight.t()  # (in, out) view
+        columns = v_mask(consumer.v_columns, weight.shape[1]).to(weight.device)
+        if not columns.any():
+            continue
+        w_v = weight[:, columns].double()
+        shift = (1 - ratio) * (split.bias.double() @ w_v) if split.bias is not None else None
+        weight[:, columns] = (w_v * ratio).to(weight.dtype)
+        if shift is not None:
+            if proj.bias is None:
+                raise ExportError(f"{consumer.path} has no bias to absorb the V-path σ ratio")
+            proj.bias[columns] += shift.to(proj.bias.dtype)
+
+
+def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial: bool = False) -> nn.Module:
+    """A plain fp32 transformers model computing what the installed `model` computes.
 
     Refuses a model with any real norm unless `allow_partial`. A partial export keeps the
-    original eps in the config and lists its fixed-scale LayerNorms in
-    `config.lnfree_fixed_scale_norms`: plain `from_pretrained` rebuilds every norm with the
-    config's eps, so only a loader that reads that list (lnfree's) restores it exactly.
+    original eps in the config and lists its fixed-scale norms in `config.lnfree_fixed_scale_norms`:
+    plain `from_pretrained` rebuilds every norm with the config's eps, so only a loader that reads
+    that list (lnfree's) restores it exactly.
     """
+    arch = architecture(model)
     complete = surgery.is_fully_removed(model)
     if not complete and not allow_partial:
         real = [name for name, s in surgery.scale_states(model).items() if not s.is_fake]
         raise ExportError(f"{len(real)} norms are still real (e.g. {real[0]}); pass allow_partial to export anyway")
     config = copy.deepcopy(model.config)
-    config.layer_norm_epsilon = EPS_TRICK_EPS if complete else model.config.layer_norm_epsilon
-    plain = GPT2LMHeadModel(config).float().eval()
+    if complete:
+        arch.set_eps(config, eps)
+        config.lnfree_original_eps = arch.eps
+    plain = surgery.original_class(model)(config).float().eval()
     wanted = plain.state_dict()
-    missing, _ = plain.load_state_dict(
-        {k: v.float() for k, v in model.state_dict().items() if k in wanted}, strict=False
-    )
-    if any(not k.endswith(("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"))
-           and k != "lm_head.weight" for k in missing):
+    missing, _ = plain.load_state_dict({k: v.float() for k, v in model.state_dict().items() if k in wanted}, strict=False)
+    tied = set(getattr(plain, "_tied_weights_keys", None) or {})
+    if [k for k in missing if k not in tied]:
         raise ExportError(f"weights missing from the model: {missing}")
-    for block, plain_block in zip(model.transformer.h, plain.transformer.h):
-        qkv = block.attn.c_attn
-        if qkv.qk.is_fake != qkv.v.is_fake:
-            raise ExportError("a block's ln_1 Q/K and V paths differ (one real, one fake); export after both")
-        _set_norm(plain_block.ln_1, qkv.norm_weight, qkv.norm_bias, qkv.qk)
-        if qkv.v.wants_context:
-            raise ExportError("a special σ (EOT) is still active; the eps-trick format cannot hold it")
-        if qkv.qk.is_fake:
-            ratio = qkv.qk.sigma.double() / qkv.v.sigma.double()
-            split = 2 * qkv.nx
-            with torch.no_grad():
-                w_v = qkv.weight[:, split:].double()
-                attn = plain_block.attn.c_attn
-                attn.weight[:, split:].copy_(w_v * ratio)
-                attn.bias[split:].copy_(qkv.bias[split:].double() + (1 - ratio) * (qkv.norm_bias.double() @ w_v))
-        _set_norm(plain_block.ln_2, block.ln_2.weight, block.ln_2.bias, block.ln_2.state)
-    ln_f = model.transformer.ln_f
-    _set_norm(plain.transformer.ln_f, ln_f.weight, ln_f.bias, ln_f.state)
-    plain.tie_weights()
+    fixed_names = []
+    for site in arch.sites():
+        installed = model.get_submodule(site.module)
+        norm = plain.get_submodule(site.module)
+        state = installed.qk if site.split else installed.state
+        if site.split:
+            if installed.qk.is_fake != installed.v.is_fake:
+                raise ExportError(f"{site.module}: the Q/K and V paths differ (one real, one fixed); export after both")
+            if installed.v.wants_context:
+                raise ExportError("a special σ (EOT) is still active; the eps-trick format cannot hold it")
+        _set_norm(norm, installed.weight, installed.bias, state, eps)
+        if site.split and state.is_fake:
+            _fold_v_ratio(plain, site, installed, arch)
+        if state.is_fake:
+            fixed_names.append(site.module)
+    if arch.tied:
+        plain.tie_weights()
     if not complete:
-        plain.config.lnfree_fixed_scale_norms = [
-            name for name, m in plain.named_modules() if isinstance(m, torch.nn.LayerNorm) and m.eps == EPS_TRICK_EPS
-        ]
+        plain.config.lnfree_fixed_scale_norms = fixed_names
+        plain.config.lnfree_fixed_scale_eps = eps
     return plain
 
 
+def probe_tokens(config, n_sequences: int = 4, length: int = 64, seed: int = 0) -> torch.Tensor:
+    """Seeded random token ids for measurements when no real text is at hand."""
+    positions = architecture(config).n_positions or length
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (n_sequences, min(length, positions)), generator=generator)
+
+
 def write_export(
-    model: GPT2LMHeadModel, tokenizer, out: str | Path, record: dict, *, allow_partial: bool = False,
-    overwrite: bool = False,
+    model: nn.Module, tokenizer, out: str | Path, record: dict, *, allow_partial: bool = False,
+    overwrite: bool = False, probe: torch.Tensor | None = None,
 ) -> Path:
     """Write the eps-trick model (safetensors), tokenizer and `lnfree_removal.json` to `out`.
 
-    Written to a temporary folder first and moved into place, so a failure leaves nothing behind.
+    The eps is chosen from the largest norm-input variance measured on `probe` (input ids; real
+    held-out text when available, seeded random tokens otherwise) and recorded with the resulting
+    worst-case relative error. Written to a temporary folder first and moved into place, so a
+    failure leaves nothing behind.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
-    plain = to_eps_trick(model, allow_partial=allow_partial)
+    probe = probe_tokens(model.config) if probe is None else probe
+    peaks = norm_input_peaks(model, probe.split(4))
+    peak = max(peaks.values())
+    eps = choose_eps(peak)
+    plain = to_eps_trick(model, eps=eps, allow_partial=allow_partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -114,8 +196,10 @@ def write_export(
         full = {
             "lnfree_version": __version__,
             "format": "eps-trick",
-            "eps": EPS_TRICK_EPS,
-            "weight_scale": EPS_TRICK_SCALE,
+            "eps": eps,
+            "weight_scale": math.sqrt(eps),
+            "eps_choice": {"peak_norm_input": peak, "safety": EPS_SAFETY, "probe_tokens": list(probe.shape),
+                           "worst_relative_error": eps_trick_error(peak, eps), "peak_by_slot": peaks},
             "fully_removed": surgery.is_fully_removed(model),
             "norms": surgery.removal_state(model),
             **record,
@@ -147,13 +231,11 @@ def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | Non
         "held_out_ce": held_out_ce or {"original": result.held_out_ce_start, "ln_free": result.held_out_ce_end},
     }
     tokenizer = AutoTokenizer.from_pretrained(result.output_dir / TOKENIZER)
-    return write_export(result.model, tokenizer, out, record, overwrite=True)
+    return write_export(result.model, tokenizer, out, record, overwrite=True, probe=getattr(result, "probe", None))
 
 
-def load_checkpoint(checkpoint: str | Path) -> tuple[GPT2LMHeadModel, object, RunConfig]:
+def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, object, RunConfig]:
     """Rebuild the installed model of a training checkpoint: (model, tokenizer, run config)."""
-    from transformers import GPT2Config
-
     from lnfree.train import RUN_CONFIG, TOKENIZER
 
     checkpoint = Path(checkpoint)
@@ -163,11 +245,12 @@ def load_checkpoint(checkpoint: str | Path) -> tuple[GPT2LMHeadModel, object, Ru
         raise ExportError(f"{checkpoint} is not an lnfree checkpoint (expected model.safetensors and ../../{RUN_CONFIG})")
     config = RunConfig.model_validate_json((run_dir / RUN_CONFIG).read_text())
     tokenizer = AutoTokenizer.from_pretrained(run_dir / TOKENIZER)
-    model = GPT2LMHeadModel(GPT2Config.from_pretrained(checkpoint)).float()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint)).float()
     if config.removal.mode == "remove":
         surgery.install(model, special_pos0=config.removal.special_pos0, special_eot=config.removal.special_eot,
                         eot_token_id=tokenizer.eos_token_id)
     missing, unexpected = load_model(model, weights, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    if unexpected or [k for k in missing if k not in tied]:
         raise ExportError(f"{weights} does not match the model: missing {missing}, unexpected {unexpected}")
     return model.eval(), tokenizer, config

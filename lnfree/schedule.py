@@ -1,7 +1,7 @@
 """The removal schedule as data: stages that expand to an ordered list of events.
 
 A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`, `ln_1qk`,
-`ln_1v`) switch one block at a time from block 0 up, `gap` steps apart; `ln_f` is one switch;
+`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time from block 0 up, `gap` steps apart; `ln_f` is one switch;
 `eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without
 `start` begins where the previous stage ends: previous start + (switches in it) · gap.
 An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
@@ -10,13 +10,17 @@ at the value the EMA reached after step s − 1.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v")
-Kind = Literal["ln_2", "ln_1qk", "ln_1v", "ln_f", "eot_special", "pos0_special"]
+PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm")
+Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "ln_f", "eot_special", "pos0_special"]
+
+
+SPECIAL_KINDS = ("eot_special", "pos0_special")
 
 
 class ScheduleError(ValueError):
@@ -68,13 +72,24 @@ class Schedule(BaseModel):
             start += count * stage.gap
         return sorted(events, key=lambda e: e.step)
 
-    def check(self, n_layer: int, max_steps: int, special_pos0: bool = False, special_eot: bool = False) -> list[Event]:
-        """Validate against a model and a run length; return the events or raise ScheduleError."""
+    def check(
+        self, n_layer: int, max_steps: int, special_pos0: bool = False, special_eot: bool = False,
+        slots: Iterable[str] | None = None,
+    ) -> list[Event]:
+        """Validate against a model (its depth and, if given, its slot names) and a run length.
+
+        Returns the events or raises ScheduleError.
+        """
         kinds = [stage.kind for stage in self.stages]
         if len(set(kinds)) != len(kinds):
             raise ScheduleError(f"each kind may appear once in a schedule, got {kinds}")
         events = self.events(n_layer)
-        removals = [e for e in events if e.kind not in ("eot_special", "pos0_special")]
+        if slots is not None:
+            known = set(slots)
+            unknown = sorted({e.kind for e in events if e.kind not in SPECIAL_KINDS and e.slot not in known})
+            if unknown:
+                raise ScheduleError(f"this model has no {', '.join(unknown)} norms; remove those stages from the schedule")
+        removals = [e for e in events if e.kind not in SPECIAL_KINDS]
         if not removals or n_layer < 1:
             raise ScheduleError("this schedule removes no LayerNorm")
         v_steps = [e.step for e in events if e.kind == "ln_1v"]
@@ -107,20 +122,17 @@ class Schedule(BaseModel):
         return "\n".join(lines)
 
 
-def derive_schedule(n_layer: int, start: int | None = None) -> Schedule:
-    """A schedule for any depth, following the published presets.
+def derive_schedule(n_layer: int, start: int | None = None, stages: tuple[str, ...] = PER_LAYER_KINDS[:3]) -> Schedule:
+    """A schedule for any depth and family, following the published presets.
 
     Up to 24 blocks: ln_2 from step 20, gaps 2/2/3 (as GPT-2 small and medium). Deeper models:
-    from step 30, gaps 4/4/6 (as GPT-2 large and XL). ln_f follows the last ln_1 V path.
+    from step 30, gaps 4/4/6 (as GPT-2 large and XL). `stages` are the family's per-layer stages
+    in order (`lnfree.arch`); stages beyond the first three (Qwen3's q_norm / k_norm) use the
+    ln_1qk gap. ln_f follows the last per-layer stage.
     """
     shallow = n_layer <= 24
-    gaps = (2, 2, 3) if shallow else (4, 4, 6)
+    gaps = {"ln_2": 2, "ln_1qk": 2, "ln_1v": 3} if shallow else {"ln_2": 4, "ln_1qk": 4, "ln_1v": 6}
     first = start if start is not None else (20 if shallow else 30)
-    return Schedule(
-        stages=[
-            Stage(kind="ln_2", start=first, gap=gaps[0]),
-            Stage(kind="ln_1qk", gap=gaps[1]),
-            Stage(kind="ln_1v", gap=gaps[2]),
-            Stage(kind="ln_f"),
-        ]
-    )
+    per_layer = [Stage(kind=kind, gap=gaps.get(kind, gaps["ln_1qk"])) for kind in stages]
+    per_layer[0] = per_layer[0].model_copy(update={"start": first})
+    return Schedule(stages=[*per_layer, Stage(kind="ln_f")])

@@ -1,10 +1,12 @@
-"""Install fixed-scale norms into a transformers GPT-2 by module swaps, and drive their state.
+"""Install fixed-scale norms into a transformers model by module swaps, and drive their state.
 
-After `install`, every LayerNorm of a `GPT2LMHeadModel` has a named scale state ("slot"):
-`blocks.{i}.ln_2`, `blocks.{i}.ln_1qk`, `blocks.{i}.ln_1v` and `ln_f`. No forward method is
-replaced: `ln_2`/`ln_f` become `FakeLayerNorm`s, `ln_1` becomes an identity and `attn.c_attn`
-a `NormalisedQKV` that applies ln_1 per path. Attention masks, the KV cache, `generate()` and
-gradient checkpointing work as in the original model.
+After `install`, every norm of a supported model (see `lnfree.arch`) has named scale states
+("slots"): `blocks.{i}.ln_1qk`, `blocks.{i}.ln_1v`, `blocks.{i}.ln_2`, Qwen3's
+`blocks.{i}.q_norm`/`k_norm`, and `ln_f`. No forward method is replaced: norms become
+`FixedScaleNorm`s, the attention-input norm a `SplitNorm` (identity forward) and every projection
+reading it a `NormalisedProjection` that applies it per path. Attention masks, the KV cache,
+`generate()` and gradient checkpointing work as in the original model. State-dict keys are the
+original ones plus the scale-state buffers.
 """
 
 from __future__ import annotations
@@ -14,45 +16,87 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import GPT2LMHeadModel
 
-from lnfree.fakeln import FakeLayerNorm, NormalisedQKV, ScaleState, TokenContext
+from lnfree.arch import architecture
+from lnfree.arch.base import column_selector, norm_eps
+from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, TokenContext
 from lnfree.schedule import Event
 
 SPECIALS = {"pos0_special": "pos0", "eot_special": "eot"}
+SAVE_REFUSAL = (
+    "a model with lnfree's fixed-scale norms cannot be saved with save_pretrained: transformers would reload it "
+    "with real norms and without its σ. Save the LN-free export instead: "
+    "lnfree.export.write_export(model, tokenizer, folder) (or `lnfree export RUN`), or keep training "
+    "checkpoints with `lnfree remove`."
+)
+
+
+class InstalledModel:
+    """Mixin of every model with lnfree norms installed: refuses `save_pretrained` (see SAVE_REFUSAL)."""
+
+    def save_pretrained(self, *args, **kwargs):
+        raise TypeError(SAVE_REFUSAL)
+
+
+_INSTALLED_CLASSES: dict[type, type] = {}
+
+
+def installed_class(cls: type) -> type:
+    """The subclass of a transformers model class used once lnfree norms are installed."""
+    if cls not in _INSTALLED_CLASSES:
+        name = f"LnfreeInstalled{cls.__name__}"
+        sub = type(name, (InstalledModel, cls), {"__module__": __name__})
+        globals()[name] = sub  # importable by name, so the model still pickles
+        _INSTALLED_CLASSES[cls] = sub
+    return _INSTALLED_CLASSES[cls]
+
+
+def original_class(model: nn.Module) -> type:
+    """The transformers class a (possibly installed) model was built from."""
+    cls = type(model)
+    return cls.__mro__[2] if issubclass(cls, InstalledModel) else cls
 
 
 def is_installed(model: nn.Module) -> bool:
     """True if `model` already carries lnfree's fixed-scale norms."""
-    return isinstance(model.transformer.ln_f, FakeLayerNorm)
+    return any(isinstance(m, (FixedScaleNorm, SplitNorm)) for m in model.modules())
 
 
 def install(
-    model: GPT2LMHeadModel,
+    model: nn.Module,
     *,
     special_pos0: bool = False,
     special_eot: bool = False,
     eot_token_id: int | None = None,
-) -> GPT2LMHeadModel:
-    """Swap every LayerNorm of `model` for a fixed-scale norm that starts out real (in place).
+) -> nn.Module:
+    """Swap every norm of `model` for a fixed-scale norm that starts out real (in place).
 
-    `special_pos0` gives every norm a separate σ for sequence position 0; `special_eot` gives
-    the ln_1 V paths a separate σ for EOT tokens. Both are applied per token, and both need the
-    model to be called with `input_ids`.
+    `special_pos0` gives every residual-stream norm a separate σ for sequence position 0;
+    `special_eot` gives the ln_1 V paths a separate σ for EOT tokens. Both are applied per token,
+    and both need the model to be called with `input_ids`. Per-head norms (Qwen3) get neither.
     """
-    if not isinstance(model, GPT2LMHeadModel):
-        raise TypeError(f"lnfree removes LayerNorm from GPT2LMHeadModel, got {type(model).__name__}")
+    arch = architecture(model)
     if is_installed(model):
         raise ValueError("this model already has lnfree's fixed-scale norms installed")
-    device = model.transformer.ln_f.weight.device
-    pos0 = {"special_pos0": special_pos0}
-    for block in model.transformer.h:
-        block.attn.c_attn = NormalisedQKV(block.attn.c_attn, block.ln_1, **pos0, special_eot=special_eot)
-        block.ln_1 = nn.Identity()
-        block.ln_2 = FakeLayerNorm.from_layernorm(block.ln_2, **pos0)
-    model.transformer.ln_f = FakeLayerNorm.from_layernorm(model.transformer.ln_f, **pos0)
-    for state in scale_states(model).values():
-        state.to(device)
+    for site in arch.sites():
+        norm = model.get_submodule(site.module)
+        eps = norm_eps(norm)
+        weight, bias = norm.weight, getattr(norm, "bias", None)
+        device = weight.device
+        pos0 = special_pos0 and not site.per_head
+        if site.split:
+            states = (ScaleState(eps, arch.norm_kind, special_pos0=pos0),
+                      ScaleState(eps, arch.norm_kind, special_pos0=pos0, special_eot=special_eot))
+            split = SplitNorm(weight, bias, *(s.to(device) for s in states))
+            model.set_submodule(site.module, split)
+            for consumer in site.consumers:
+                proj = model.get_submodule(consumer.path)
+                width = proj.weight.shape[1] if arch.conv1d else proj.weight.shape[0]
+                selector = column_selector(consumer.v_columns, width)
+                model.set_submodule(consumer.path, NormalisedProjection(proj, split, selector, arch.conv1d).to(device))
+        else:
+            state = ScaleState(eps, arch.norm_kind, special_pos0=pos0).to(device)
+            model.set_submodule(site.module, FixedScaleNorm(weight, bias, state))
     if special_pos0 or special_eot:
         if eot_token_id is None:
             eot_token_id = model.config.eos_token_id
@@ -60,6 +104,7 @@ def install(
         model.register_forward_pre_hook(context, with_kwargs=True)
         for state in scale_states(model).values():
             state.context = context
+    model.__class__ = installed_class(type(model))
     return model
 
 
@@ -68,12 +113,19 @@ def scale_states(model: nn.Module) -> dict[str, ScaleState]:
     if not is_installed(model):
         raise ValueError("no lnfree norms in this model; call lnfree.surgery.install first")
     states: dict[str, ScaleState] = {}
-    for i, block in enumerate(model.transformer.h):
-        states[f"blocks.{i}.ln_1qk"] = block.attn.c_attn.qk
-        states[f"blocks.{i}.ln_1v"] = block.attn.c_attn.v
-        states[f"blocks.{i}.ln_2"] = block.ln_2.state
-    states["ln_f"] = model.transformer.ln_f.state
+    for site in architecture(model).sites():
+        module = model.get_submodule(site.module)
+        found = (module.qk, module.v) if site.split else (module.state,)
+        states.update(zip(site.slots, found))
     return states
+
+
+def norm_input_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(slot names, module) of every installed module whose forward receives a norm's input."""
+    out = []
+    for site in architecture(model).sites():
+        out.append((site.slots, model.get_submodule(site.module)))
+    return out
 
 
 def _summed_stats(states: Iterable[ScaleState]) -> torch.Tensor:
@@ -95,6 +147,7 @@ def initialise_sigmas(model: nn.Module, batches: Iterable[torch.Tensor]) -> None
     was_training = model.training
     model.eval()
     for state in states:
+        state.stats.zero_()  # statistics gathered before this call must not leak into σ
         state.collecting = True
     try:
         for input_ids in batches:

@@ -30,7 +30,8 @@ from lnfree import surgery
 from lnfree.config import RunConfig
 from lnfree.data import StepBatches, TokenData, prepare_data
 from lnfree.models import load_base
-from lnfree.schedule import Event, derive_schedule
+from lnfree.arch import architecture
+from lnfree.schedule import PER_LAYER_KINDS, Event, derive_schedule
 
 RUN_CONFIG = "run_config.json"
 CHECKPOINTS = "checkpoints"
@@ -52,15 +53,19 @@ class RunResult:
     events: list[dict] = field(default_factory=list)
     checkpoint: Path | None = None
     model: nn.Module | None = None
+    probe: torch.Tensor | None = None  # held-out input ids, for measurements at export
 
 
 # ----------------------------------------------------------------------------- pieces
 
 
-def resolve_run(config: RunConfig, n_layer: int) -> tuple[RunConfig, list[Event]]:
-    """Fill in derived defaults (schedule, max_steps) and validate the schedule."""
+def resolve_run(
+    config: RunConfig, n_layer: int, stages: tuple[str, ...] = PER_LAYER_KINDS[:3], slots: list[str] | None = None,
+) -> tuple[RunConfig, list[Event]]:
+    """Fill in derived defaults (schedule from the depth and the family's `stages`, max_steps) and
+    validate the schedule (against the model's `slots` when given)."""
     removal, train = config.removal, config.train
-    schedule = removal.schedule or derive_schedule(n_layer)
+    schedule = removal.schedule or derive_schedule(n_layer, stages=stages)
     last = schedule.events(n_layer)[-1].step
     max_steps = train.max_steps or max(3 * last, last + 1)
     config = config.model_copy(
@@ -71,7 +76,7 @@ def resolve_run(config: RunConfig, n_layer: int) -> tuple[RunConfig, list[Event]
     )
     if removal.mode == "vanilla":
         return config, []
-    return config, schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot)
+    return config, schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
 
 
 def learning_rate(step: int, config: RunConfig) -> float:
@@ -95,7 +100,7 @@ def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
 
 
 class LnfInput:
-    """Keeps the input of ln_f from the latest forward pass (a registered forward pre-hook)."""
+    """Keeps the input of the final norm from the latest forward pass (a registered forward pre-hook)."""
 
     def __init__(self, ln_f: nn.Module):
         self.value: torch.Tensor | None = None
@@ -105,13 +110,19 @@ class LnfInput:
         self.value = args[0]
 
 
-def auxiliary_loss(resid: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int, eps: float) -> torch.Tensor:
-    """Mean squared deviation of the per-token std at the ln_f input from its typical value.
+def auxiliary_loss(
+    resid: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int, eps: float, kind: str = "layer",
+) -> torch.Tensor:
+    """Mean squared deviation of the per-token scale at the final-norm input from its typical value.
+
+    The scale is the norm's own: std for LayerNorm (`kind="layer"`), RMS for RMSNorm.
 
     The target is the detached mean std over tokens that are neither at position 0 nor EOT
     (DESIGN.md §1); the loss covers every token, pulling the outliers towards the target.
     """
-    std = torch.sqrt(resid.float().var(dim=-1, unbiased=False) + eps)
+    resid = resid.float()
+    second = resid.var(dim=-1, unbiased=False) if kind == "layer" else resid.pow(2).mean(dim=-1)
+    std = torch.sqrt(second + eps)
     typical = input_ids != eot_token_id
     typical[:, 0] = False
     target = (std * typical).sum() / typical.sum().clamp_min(1)
@@ -206,11 +217,15 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     )
     set_seed(config.train.seed)
     model, tokenizer = load_base(config.model)
-    config, events = resolve_run(config, model.config.n_layer)
+    arch = architecture(model)
+    slots = [slot for site in arch.sites() for slot in site.slots]
+    config, events = resolve_run(config, arch.n_layers, arch.stages, slots)
     train = config.train
-    context = config.data.context_length or model.config.n_positions
-    if context > model.config.n_positions:
-        raise RunError(f"context_length {context} exceeds the model's n_positions {model.config.n_positions}")
+    context = config.data.context_length or arch.n_positions
+    if context is None:
+        raise RunError("this model has no maximum context length; set data.context_length")
+    if arch.n_positions is not None and context > arch.n_positions:
+        raise RunError(f"context_length {context} exceeds the model's n_positions {arch.n_positions}")
     world = accelerator.num_processes
     sequences = train.tokens_per_step // context
     accumulation = sequences // (train.micro_batch_size * world)
@@ -279,8 +294,8 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         start_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
         ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
-    lnf_input = LnfInput(bare.transformer.ln_f)
-    eps = bare.config.layer_norm_epsilon
+    lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
+    eps = arch.eps
     events_by_step: dict[int, list[Event]] = {}
     for event in events:
         events_by_step.setdefault(event.step, []).append(event)
@@ -308,7 +323,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             with sync:
                 with autocast():
                     ce = model(input_ids=input_ids, labels=input_ids).loss
-                aux = auxiliary_loss(lnf_input.value, input_ids, data.eot_token_id, eps)
+                aux = auxiliary_loss(lnf_input.value, input_ids, data.eot_token_id, eps, arch.norm_kind)
                 loss = ce + train.aux_loss_weight * aux
                 accelerator.backward(loss / accumulation)
             totals += torch.stack([loss.detach(), ce.detach(), aux.detach()]) / accumulation
@@ -339,4 +354,5 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config)
     if train.report_to:
         accelerator.end_training()
-    return RunResult(out, config, ce_start, ce_end, event_log, checkpoint, bare)
+    probe = data.eval_batch(min(config.data.eval_sequences, 16))
+    return RunResult(out, config, ce_start, ce_end, event_log, checkpoint, bare, probe)

@@ -1,4 +1,4 @@
-"""FakeLN modules and their installation into a transformers GPT-2."""
+"""Fixed-scale norm modules and their installation into a transformers GPT-2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from conftest import small_gpt2
 
 from lnfree import surgery
-from lnfree.fakeln import FakeLayerNorm, NormalisedQKV
+from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
 from lnfree.schedule import Event
 
 
@@ -22,7 +22,7 @@ def make_fake_ln(d=16, **special):
     with torch.no_grad():
         ln.weight.uniform_(0.5, 1.5)
         ln.bias.normal_()
-    return ln, FakeLayerNorm.from_layernorm(ln, **special)
+    return ln, FixedScaleNorm(ln.weight, ln.bias, ScaleState(ln.eps, "layer", **special))
 
 
 def test_fake_ln_is_the_real_ln_until_switched_then_fixed_sigma():
@@ -51,6 +51,9 @@ def test_ema_matches_hand_computation_and_ignores_eval_passes():
     fake(a)  # eval passes must not feed the EMA
     assert state.stats.abs().sum() == 0
     fake.train()
+    with torch.no_grad():
+        fake(a)  # nor must a no-grad pass in train mode (a user's metric)
+    assert state.stats.abs().sum() == 0
     fake(a)
     fake(b)
     state.commit_ema(state.stats.clone(), momentum=0.9)
@@ -68,7 +71,9 @@ def test_qk_and_v_paths_switch_independently():
     model = small_gpt2(n_layer=1)
     block = model.transformer.h[0]
     ln_1, c_attn = copy.deepcopy(block.ln_1), copy.deepcopy(block.attn.c_attn)
-    qkv = NormalisedQKV(c_attn, ln_1)
+    split = SplitNorm(ln_1.weight, ln_1.bias, ScaleState(ln_1.eps), ScaleState(ln_1.eps))
+    qkv = NormalisedProjection(c_attn, split, slice(64, 96), in_out=True)
+    qkv.qk, qkv.v = split.qk, split.v
     x = torch.randn(2, 6, 32) * 3
     reference = c_attn(ln_1(x))
     torch.testing.assert_close(qkv(x), reference, rtol=0, atol=1e-6)
@@ -109,6 +114,8 @@ def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
     model = small_gpt2(n_layer=1)
     surgery.install(model, special_eot=True, eot_token_id=5)
     qkv = model.transformer.h[0].attn.c_attn
+    norm = model.transformer.h[0].ln_1
+    qkv.qk, qkv.v = norm.qk, norm.v
     assert not qkv.qk.has_eot and qkv.v.has_eot
     for state in (qkv.qk, qkv.v):
         state.sigma.fill_(1.5)
@@ -122,7 +129,7 @@ def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
     d = 32
     v_weight, v_bias = qkv.weight[:, 2 * d :], qkv.bias[2 * d :]
     for position, sigma in enumerate([1.5, 9.0, 1.5, 9.0, 1.5]):
-        h = fixed_sigma_ln(x[0, position], qkv.norm_weight, qkv.norm_bias, sigma)
+        h = fixed_sigma_ln(x[0, position], norm.weight, norm.bias, sigma)
         torch.testing.assert_close(y[0, position, 2 * d :], h @ v_weight + v_bias, rtol=1e-5, atol=1e-5)
 
 
@@ -192,7 +199,8 @@ def test_state_dict_carries_removal_state():
     ids = torch.randint(0, 64, (2, 9))
     torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
     keys = fresh.state_dict().keys()
-    assert "transformer.h.0.attn.c_attn.qk.fake" in keys and "transformer.ln_f.state.sigma" in keys
+    assert "transformer.h.0.ln_1.qk.fake" in keys and "transformer.ln_f.state.sigma" in keys
+    assert "transformer.h.0.attn.c_attn.weight" in keys  # the projection keeps its key
     assert not any(k.endswith(".stats") for k in keys)
 
 
@@ -200,5 +208,5 @@ def test_install_refuses_other_models_and_double_installs():
     model = surgery.install(small_gpt2())
     with pytest.raises(ValueError, match="already"):
         surgery.install(model)
-    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="supported families"):
         surgery.install(torch.nn.Linear(2, 2))

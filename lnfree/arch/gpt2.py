@@ -1,0 +1,45 @@
+"""GPT-2 (`GPT2LMHeadModel`): LayerNorm `ln_1` → fused `c_attn` (Q | K | V, contiguous thirds),
+`ln_2` → `mlp.c_fc`, final `transformer.ln_f` → `lm_head` (tied to `wte`). Projections are Conv1D."""
+
+from __future__ import annotations
+
+from lnfree.arch.base import Architecture, BridgeSpec, Consumer, NormSite, UnsupportedModel
+
+
+class GPT2(Architecture):
+    family = "gpt2"
+    model_types = ("gpt2",)
+    norm_kind = "layer"
+    eps_field = "layer_norm_epsilon"
+    default_eps = 1e-5
+    conv1d = True
+    final_norm = "transformer.ln_f"
+    unembedding = "lm_head"
+    token_embedding = "transformer.wte"
+    position_embedding = "transformer.wpe"
+    layers = "transformer.h"
+    attention = "attn"
+    mlp = "mlp"
+    bridge = BridgeSpec("GPT2LMHeadModel", {"ln1": "ln_1", "ln2": "ln_2"}, "transformer.ln_f")
+
+    def check(self) -> None:
+        if getattr(self.config, "add_cross_attention", False):
+            raise UnsupportedModel("GPT-2 with cross-attention is not supported")
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.n_layer)
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.config.n_positions)
+
+    def sites(self) -> list[NormSite]:
+        d = self.config.n_embd
+        sites = []
+        for i in range(self.n_layers):
+            attn = Consumer(self.block(i, "attn.c_attn"), v_columns=slice(2 * d, 3 * d))
+            sites.append(NormSite(self.block(i, "ln_1"), "ln_1", i, (attn,)))
+            sites.append(NormSite(self.block(i, "ln_2"), "ln_2", i, (Consumer(self.block(i, "mlp.c_fc")),)))
+        sites.append(NormSite(self.final_norm, "ln_f", None, (Consumer(self.unembedding),)))
+        return sites

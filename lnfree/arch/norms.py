@@ -1,0 +1,382 @@
+"""Fixed-scale norms: the modules that replace a model's LayerNorms or RMSNorms during removal.
+
+A LayerNorm computes (x − mean(x)) / std(x) · w + b per token, an RMSNorm x / rms(x) · w.
+Everything but the division by the per-token scale is linear. A `ScaleState` decides what that
+division uses: the real per-token scale (while the norm is "real") or a frozen scalar σ (once it
+is "fixed"). σ is an exponential moving average of the batch-mean per-token scale, fed by
+grad-enabled training forwards (or an explicit measurement) while the norm is real, and frozen
+when it is switched.
+
+Three module swaps cover every family (`lnfree.arch` says which goes where):
+- `FixedScaleNorm` replaces a norm whose output feeds its consumers directly;
+- `SplitNorm` replaces the attention-input norm, whose Q/K and V paths are switched separately;
+  its forward is the identity and it owns the norm's parameters and both scale states;
+- `NormalisedProjection` replaces each projection reading a `SplitNorm`'s output and applies
+  that norm per output column (Q/K columns through one state, V columns through the other).
+Parameter names stay those of the replaced modules, so state-dict keys do not change.
+
+Flags and σ live in buffers, so they travel with the state dict. Each flag also has a Python
+mirror so the forward pass can branch without reading a device tensor (no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NormKind = Literal["layer", "rms"]
+
+# Columns of ScaleState.stats: which tokens a statistic is collected over.
+GENERAL, POS0, EOT = 0, 1, 2
+
+
+class TokenContext:
+    """Publishes the current forward's token ids and positions to the norm modules.
+
+    Registered as a forward pre-hook on the top-level model; only needed when a special σ
+    (position 0 or EOT) is configured, because norm modules never see token ids or positions.
+    """
+
+    def __init__(self, eot_token_id: int):
+        self.eot_token_id = eot_token_id
+        self.input_ids: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self.input_ids = input_ids
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None and input_ids is not None:
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device) + past
+        self.position_ids = position_ids
+
+    def masks(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boolean (batch, seq) masks of position-0 tokens and EOT tokens."""
+        if self.input_ids is None:
+            raise RuntimeError(
+                "A special σ (position 0 / EOT) needs input_ids; call the model with input_ids "
+                "rather than inputs_embeds while special σ are active."
+            )
+        pos0 = (self.position_ids == 0).expand(shape)
+        eot = (self.input_ids == self.eot_token_id).expand(shape)
+        return pos0, eot
+
+
+def token_scale(x: torch.Tensor, kind: NormKind, eps: float) -> torch.Tensor:
+    """Per-token scale as the real norm computes it (fp32, detached): std for LayerNorm, RMS for RMSNorm."""
+    with torch.no_grad():
+        x = x.detach().float()
+        second = x.var(dim=-1, unbiased=False) if kind == "layer" else x.pow(2).mean(dim=-1)
+        return torch.sqrt(second + eps)
+
+
+def real_norm(x: torch.Tensor, kind: NormKind, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The real LayerNorm / RMSNorm, computed as transformers computes it."""
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def centre(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
+    """The linear part of the norm before its division: mean removal for LayerNorm, nothing for RMSNorm."""
+    return x - x.mean(dim=-1, keepdim=True) if kind == "layer" else x
+
+
+class ScaleState(nn.Module):
+    """The per-token scale of one normalisation: the real one, or a frozen σ.
+
+    Buffers: `sigma` (EMA, frozen when fixed), `fake`, optional `sigma_pos0`/`pos0_active` and
+    `sigma_eot`/`eot_active`, and a non-persistent `stats` accumulator (row 0 sums, row 1
+    counts; columns general / position 0 / EOT) that `commit_ema` folds into σ.
+    """
+
+    def __init__(self, eps: float, kind: NormKind = "layer", special_pos0: bool = False, special_eot: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.kind = kind
+        self.has_pos0 = special_pos0
+        self.has_eot = special_eot
+        self.register_buffer("sigma", torch.ones(()))
+        self.register_buffer("fake", torch.zeros((), dtype=torch.bool))
+        if special_pos0:
+            self.register_buffer("sigma_pos0", torch.ones(()))
+            self.register_buffer("pos0_active", torch.ones((), dtype=torch.bool))
+        if special_eot:
+            self.register_buffer("sigma_eot", torch.ones(()))
+            self.register_buffer("eot_active", torch.ones((), dtype=torch.bool))
+        self.register_buffer("stats", torch.zeros(2, 3), persistent=False)
+        self.context: TokenContext | None = None
+        self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
+        self._refresh_mirrors()
+
+    # ----- Python mirrors of the flag buffers (read without a device sync) -----
+    def _refresh_mirrors(self) -> None:
+        self.is_fake = bool(self.fake)
+        self.pos0_on = self.has_pos0 and bool(self.pos0_active)
+        self.eot_on = self.has_eot and bool(self.eot_active)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._refresh_mirrors()
+
+    def extra_repr(self) -> str:
+        specials = [n for n, on in (("pos0", self.pos0_on), ("eot", self.eot_on)) if on]
+        state = "fixed" if self.is_fake else "real"
+        return f"{self.kind}, {state}, eps={self.eps}" + (f", special σ: {'+'.join(specials)}" if specials else "")
+
+    # ----- switches -----
+    def switch_to_fake(self) -> None:
+        """Freeze σ at its current value and divide by it from now on."""
+        self.fake.fill_(True)
+        self.is_fake = True
+
+    def disable_special(self, kind: str) -> None:
+        """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
+        if kind == "pos0" and self.has_pos0:
+            self.pos0_active.fill_(False)
+        elif kind == "eot" and self.has_eot:
+            self.eot_active.fill_(False)
+        self._refresh_mirrors()
+
+    @property
+    def wants_context(self) -> bool:
+        return self.pos0_on or self.eot_on
+
+    @property
+    def gathering(self) -> bool:
+        """True when a forward should feed the statistics: a real norm in a grad-enabled training
+        pass, or an explicit measurement. A user's no-grad metric in train mode does not move σ."""
+        return not self.is_fake and ((self.training and torch.is_grad_enabled()) or self.collecting)
+
+    # ----- statistics -----
+    def observe(self, x: torch.Tensor) -> None:
+        """Accumulate the per-token scales of the norm input `x` (no host sync)."""
+        flat = token_scale(x, self.kind, self.eps)
+        with torch.no_grad():
+            if not self.wants_context:
+                self.stats[0, GENERAL] += flat.sum()
+                self.stats[1, GENERAL] += flat.numel()
+                return
+            pos0, eot = self.context.masks(flat.shape)
+            pos0 = pos0 & self.pos0_on
+            eot = eot & self.eot_on & ~pos0
+            general = ~(pos0 | eot)
+            for column, mask in ((GENERAL, general), (POS0, pos0), (EOT, eot)):
+                self.stats[0, column] += (flat * mask).sum()
+                self.stats[1, column] += mask.sum()
+
+    def sigmas(self) -> torch.Tensor:
+        """σ for the three token groups (general, position 0, EOT) as one tensor."""
+        pos0 = self.sigma_pos0 if self.has_pos0 else self.sigma
+        eot = self.sigma_eot if self.has_eot else self.sigma
+        return torch.stack([self.sigma, pos0, eot])
+
+    def _write_sigmas(self, values: torch.Tensor) -> None:
+        self.sigma.copy_(values[GENERAL])
+        if self.has_pos0:
+            self.sigma_pos0.copy_(values[POS0])
+        if self.has_eot:
+            self.sigma_eot.copy_(values[EOT])
+
+    @torch.no_grad()
+    def commit_ema(self, stats: torch.Tensor, momentum: float) -> None:
+        """σ ← m·σ + (1−m)·mean, per token group with observations; then clear the accumulator.
+
+        `stats` is this module's accumulator, possibly summed over ranks. A fixed norm's σ is frozen.
+        """
+        if not self.is_fake:
+            old = self.sigmas()
+            mean = stats[0] / stats[1].clamp_min(1)
+            new = momentum * old + (1 - momentum) * mean
+            self._write_sigmas(torch.where(stats[1] > 0, new, old))
+        self.stats.zero_()
+
+    @torch.no_grad()
+    def set_from_stats(self, stats: torch.Tensor) -> None:
+        """σ ← mean of the accumulated statistics (the initial measurement); clear the accumulator."""
+        mean = stats[0] / stats[1].clamp_min(1)
+        # A group never observed (e.g. no EOT in the data) falls back to the general σ.
+        self._write_sigmas(torch.where(stats[1] > 0, mean, mean[GENERAL]))
+        self.stats.zero_()
+
+    # ----- the normalisation -----
+    def token_sigma(self, shape: torch.Size) -> torch.Tensor:
+        """σ per token, shape (..., 1), honouring active special σ (a 0-d σ when none is active)."""
+        if not self.wants_context:
+            return self.sigma
+        pos0, eot = self.context.masks(shape)
+        sigma = self.sigma.expand(shape)
+        if self.eot_on:
+            sigma = torch.where(eot, self.sigma_eot, sigma)
+        if self.pos0_on:
+            sigma = torch.where(pos0, self.sigma_pos0, sigma)
+        return sigma.unsqueeze(-1)
+
+    def normalise(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The norm of `x` with this state's scale (statistics are gathered by the owning module)."""
+        if not self.is_fake:
+            return real_norm(x, self.kind, weight, bias, self.eps)
+        sigma = self.token_sigma(x.shape[:-1])
+        if self.kind == "rms":  # as transformers: divide in fp32, cast back, then the weight
+            return weight * (x.float() / sigma).to(x.dtype)
+        centred = centre(x, "layer")
+        if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
+            return torch.addcmul(bias, centred, weight / sigma)
+        return torch.addcmul(bias, centred / sigma.to(x.dtype), weight)
+
+
+class FixedScaleNorm(nn.Module):
+    """Drop-in replacement for a LayerNorm or RMSNorm whose division can be frozen to a fixed σ.
+
+    Keeps the parameter names `weight` (and `bias` for LayerNorm), so state-dict keys of the
+    replaced module are unchanged. Identical to the real norm until `state.switch_to_fake()`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.state.gathering:
+            self.state.observe(x)
+        return self.state.normalise(x, self.weight, self.bias)
+
+
+class SplitNorm(nn.Module):
+    """The attention-input norm with separate scale states for the Q/K and the V path.
+
+    Its forward is the identity (it sits where the norm was, so the attention module receives the
+    raw residual stream) and gathers both paths' statistics; the `NormalisedProjection`s reading
+    it apply the norm per path. It owns the norm's `weight` (and `bias`) under the original names.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qk: ScaleState, v: ScaleState):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        self.qk = qk
+        self.v = v
+
+    @property
+    def kind(self) -> NormKind:
+        return self.qk.kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for state in (self.qk, self.v):
+            if state.gathering:
+                state.observe(x)
+        return x
+
+    def path(self, name: str) -> ScaleState:
+        return self.qk if name == "qk" else self.v
+
+
+class NormalisedProjection(nn.Module):
+    """A projection that reads a `SplitNorm`'s input and applies that norm per output column.
+
+    `v_columns` selects the output features on the V path: None (all Q/K), "all", a slice or a
+    LongTensor of column indices (e.g. GPT-NeoX, whose fused Q/K/V columns interleave per head).
+    `weight` keeps the replaced module's layout: (in, out) for GPT-2's Conv1D (`in_out=True`),
+    (out, in) for `nn.Linear`. The norm module is shared, not owned (it is registered at the
+    norm's own place in the model).
+    """
+
+    def __init__(self, proj: nn.Module, norm: SplitNorm, v_columns, in_out: bool):
+        super().__init__()
+        self.weight = nn.Parameter(proj.weight.detach().clone())
+        self.bias = nn.Parameter(proj.bias.detach().clone()) if getattr(proj, "bias", None) is not None else None
+        self.in_out = in_out
+        self.out_features = self.weight.shape[1] if in_out else self.weight.shape[0]
+        if isinstance(v_columns, torch.Tensor):
+            v_columns = v_columns.long()
+            qk = torch.ones(self.out_features, dtype=torch.bool)
+            qk[v_columns] = False
+            self.register_buffer("v_index", v_columns, persistent=False)
+            self.register_buffer("qk_index", qk.nonzero().squeeze(1), persistent=False)
+            v_columns = "index"
+        self.v_columns = v_columns
+        object.__setattr__(self, "norm", norm)  # not a submodule: its parameters live at the norm's place
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features}, v_columns={self.v_columns}"
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as (in, out)."""
+        return self.weight if self.in_out else self.weight.t()
+
+    def _columns(self, path: str):
+        """Column selector of a path: a slice, or an index tensor."""
+        v = self.v_columns
+        if v == "index":
+            return self.v_index if path == "v" else self.qk_index
+        if v is None:
+            return slice(None) if path == "qk" else slice(0, 0)
+        if v == "all":
+            return slice(None) if path == "v" else slice(0, 0)
+        return v if path == "v" else slice(0, v.start)  # a slice of V columns at the end
+
+    def _project(self, h: torch.Tensor, columns) -> torch.Tensor:
+        w = self.matrix()
+        w = w[:, columns]
+        flat = h.reshape(-1, h.shape[-1])
+        if self.bias is None:
+            return torch.mm(flat, w)
+        return torch.addmm(self.bias[columns], flat, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        shape = x.shape[:-1] + (self.out_features,)
+        paths = [p for p in ("qk", "v") if not _empty(self._columns(p), self.out_features)]
+        states = [norm.path(p) for p in paths]
+        if len(paths) == 1 or not any(s.is_fake for s in states):
+            # One scale for every column (one path, or both real): normalise once, one matmul.
+            h = states[0].normalise(x, norm.weight, norm.bias)
+            return self._project(h, slice(None)).view(shape)
+        if all(s.is_fake and not s.wants_context for s in states):
+            return self._fixed_columns(x, states).view(shape)
+        parts = []
+        for path, state in zip(paths, states):
+            columns = self._columns(path)
+            parts.append((columns, self._project(state.normalise(x, norm.weight, norm.bias), columns)))
+        if self.v_columns == "index":
+            out = parts[0][1].new_empty(parts[0][1].shape[0], self.out_features)
+            for columns, part in parts:
+                out = out.index_copy(1, columns, part)
+        else:  # contiguous: the Q/K columns precede the V columns
+            out = torch.cat([part for _, part in parts], dim=-1)
+        return out.view(shape)
+
+    def _fixed_columns(self, x: torch.Tensor, states: list[ScaleState]) -> torch.Tensor:
+        """Both paths fixed, one σ each: ((c(x)·w) @ W) / σ_path + (b @ W + bias), one matmul."""
+        norm = self.norm
+        scale = torch.empty(self.out_features, dtype=states[0].sigma.dtype, device=x.device)
+        for path, state in zip(("qk", "v"), states):
+            scale[self._columns(path)] = state.sigma.reciprocal()
+        flat = x.reshape(-1, x.shape[-1])
+        w = self.matrix()
+        if norm.kind == "rms":
+            projected = torch.mm((flat.float() * norm.weight.float()).to(x.dtype), w)
+        else:
+            projected = torch.mm(centre(flat, "layer") * norm.weight, w)
+        bias = self.bias
+        if norm.bias is not None:
+            folded = torch.mv(w.t(), norm.bias)
+            bias = folded if bias is None else bias + folded
+        if bias is None:
+            return projected * scale.to(projected.dtype)
+        return torch.addcmul(bias, projected, scale.to(projected.dtype))
+
+
+def _empty(columns, width: int) -> bool:
+    if isinstance(columns, torch.Tensor):
+        return columns.numel() == 0
+    return len(range(width)[columns]) == 0
