@@ -1,13 +1,13 @@
-"""TransformerLens (4.x) bridges around GPT-2 models, with or without LayerNorm.
+"""TransformerLens (4.x) bridges around models of every supported family, with or without norms.
 
 TransformerLens 4 dropped ``HookedTransformer``; its analysis object is ``TransformerBridge``, which
 wraps a live Hugging Face module and exposes the familiar hook points (``run_with_cache``,
 ``run_with_hooks``, ``hooks``) and weight views (``W_U``, ``b_U``, ``W_O``...).  This module builds
 bridges for the two kinds of model lnfree deals with, without ever touching the network:
 
-* :func:`bridge_from_folded` -- an *exactly LayerNorm-free* ``GPT2LMHeadModel`` whose ``ln_1``,
-  ``ln_2`` and ``ln_f`` are ``nn.Identity`` (the fixed scales and affine parameters folded into
-  ``c_attn``, ``c_fc`` and an untied ``lm_head`` that may carry a bias).  The bridge has
+* :func:`bridge_from_folded` -- an *exactly LayerNorm-free* model (any family of ``lnfree.arch``)
+  whose norms are ``nn.Identity`` (the fixed scales and affine parameters folded into the
+  projections and an untied unembedding that may carry a bias).  The bridge has
   ``cfg.normalization_type = None`` and pass-through norm slots, so its logits equal the HF model's
   and the residual stream decomposes linearly into logits.
 * :func:`bridge_from_layernorm` -- an ordinary GPT-2 with real ``nn.LayerNorm`` modules (any eps,
@@ -77,10 +77,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from transformers import GPT2LMHeadModel
+
+from lnfree.arch import Architecture, architecture
+from lnfree.arch.base import norm_eps
 
 __all__ = [
-    "ARCHITECTURE",
     "HOOK_NAMES",
     "ResidualDecomposition",
     "bridge_from_folded",
@@ -92,13 +93,10 @@ __all__ = [
     "residual_decomposition",
 ]
 
-#: Architecture key of TL's GPT-2 adapter in its ``ArchitectureAdapterFactory``.
-ARCHITECTURE = "GPT2LMHeadModel"
-
 #: Hook-point names (TL 4.3 legacy-compatible aliases; they resolve in both modes).
 HOOK_NAMES: dict[str, str] = {
     "embed": "hook_embed",  # [batch, pos, d_model]
-    "pos_embed": "hook_pos_embed",  # [batch, pos, d_model]
+    "pos_embed": "hook_pos_embed",  # [batch, pos, d_model]; learned positional embeddings only
     "resid_pre": "blocks.{layer}.hook_resid_pre",  # [batch, pos, d_model]
     "resid_mid": "blocks.{layer}.hook_resid_mid",  # [batch, pos, d_model]
     "resid_post": "blocks.{layer}.hook_resid_post",  # [batch, pos, d_model]
@@ -146,14 +144,14 @@ def _build_bridge_from_module():
     return build_bridge_from_module
 
 
-def _check_gpt2(model: nn.Module) -> None:
-    if not isinstance(model, GPT2LMHeadModel):
-        raise TypeError(f"expected a transformers GPT2LMHeadModel, got {type(model).__name__}")
+def _check(model: nn.Module) -> Architecture:
+    arch = architecture(model)
     if not getattr(model.config, "scale_attn_weights", True):
         raise ValueError(
             "config.scale_attn_weights=False is not supported: TransformerLens' GPT-2 bridge always "
             "scales attention scores by 1/sqrt(d_head)"
         )
+    return arch
 
 
 def _attach_tokenizer(bridge: Any, tokenizer: Any) -> None:
@@ -180,81 +178,82 @@ def _attach_tokenizer(bridge: Any, tokenizer: Any) -> None:
         driver.tokenizer = tok
 
 
-def _norm_slots(model: GPT2LMHeadModel) -> list[tuple[str, nn.Module]]:
-    slots = []
-    for i, block in enumerate(model.transformer.h):
-        slots.append((f"transformer.h.{i}.ln_1", block.ln_1))
-        slots.append((f"transformer.h.{i}.ln_2", block.ln_2))
-    slots.append(("transformer.ln_f", model.transformer.ln_f))
-    return slots
+def _norm_slots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(site.module, model.get_submodule(site.module)) for site in architecture(model).sites()]
 
 
-def is_layernorm_free(model: GPT2LMHeadModel) -> bool:
-    """True when every ``ln_1``, ``ln_2`` and ``ln_f`` of ``model`` is an ``nn.Identity``."""
+def is_layernorm_free(model: nn.Module) -> bool:
+    """True when every norm of ``model`` is an ``nn.Identity``."""
     return all(isinstance(module, nn.Identity) for _, module in _norm_slots(model))
 
 
-def _pass_through_norms(adapter: Any) -> None:
-    """``post_adapter_hook``: make the GPT-2 adapter's three norm slots pass-through components."""
+def _pass_through_norms(arch: Architecture):
+    """A ``post_adapter_hook`` making every norm component of TL's adapter a pass-through."""
     from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
-    adapter.cfg.normalization_type = None
-    mapping = adapter.component_mapping
-    mapping["ln_final"] = GeneralizedComponent(name="transformer.ln_f", config=adapter.cfg)
-    blocks = mapping["blocks"]
-    blocks.submodules["ln1"] = GeneralizedComponent(name="ln_1", config=adapter.cfg)
-    blocks.submodules["ln2"] = GeneralizedComponent(name="ln_2", config=adapter.cfg)
+    spec = arch.bridge
+
+    def hook(adapter: Any) -> None:
+        adapter.cfg.normalization_type = None
+        mapping = adapter.component_mapping
+        mapping["ln_final"] = GeneralizedComponent(name=spec.final_norm, config=adapter.cfg)
+        blocks = mapping["blocks"]
+        for key, name in spec.norms.items():
+            blocks.submodules[key] = GeneralizedComponent(name=name, config=adapter.cfg)
+        for key, name in spec.attn_norms.items():
+            blocks.submodules["attn"].submodules[key] = GeneralizedComponent(name=name, config=adapter.cfg)
+
+    return hook
 
 
-def bridge_from_folded(model: GPT2LMHeadModel, tokenizer: Any = None) -> Any:
-    """An exact ``TransformerBridge`` around an LN-free GPT-2 (norms folded away).
+def bridge_from_folded(model: nn.Module, tokenizer: Any = None) -> Any:
+    """An exact ``TransformerBridge`` around an LN-free model (norms folded away).
 
-    ``model``'s ``ln_1``/``ln_2``/``ln_f`` must all be ``nn.Identity``; its ``lm_head`` may be an
+    Every norm of ``model`` must be an ``nn.Identity``; its ``lm_head`` may be an
     untied ``nn.Linear`` with a bias (the folded ``ln_f`` bias), which the bridge's unembedding
     applies (``bridge.b_U``).  The bridge has ``cfg.normalization_type = None`` and its ``ln1``,
     ``ln2`` and ``ln_final`` are pass-throughs (they only fire ``hook_in``/``hook_out``).  The
     caller's model and tokenizer are not modified.
     """
-    _check_gpt2(model)
+    _check(model)
     not_free = [name for name, module in _norm_slots(model) if not isinstance(module, nn.Identity)]
     if not_free:
         raise ValueError(f"model is not LayerNorm-free: {', '.join(not_free)} are not nn.Identity")
-    head = model.lm_head
+    head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"lm_head must be an nn.Linear, got {type(head).__name__}")
-    d_vocab, d_model = head.weight.shape
-    if d_model != model.config.n_embd or d_vocab != model.config.vocab_size:
-        raise ValueError(
-            f"lm_head maps {d_model} -> {d_vocab}, expected {model.config.n_embd} -> {model.config.vocab_size}"
-        )
+        raise TypeError(f"the unembedding must be an nn.Linear, got {type(head).__name__}")
+    d_vocab = head.weight.shape[0]
+    if d_vocab != model.config.vocab_size:
+        raise ValueError(f"the unembedding has {d_vocab} outputs, expected {model.config.vocab_size}")
 
     return _pass_through_bridge(model, tokenizer)
 
 
-def bridge_with_own_norms(model: GPT2LMHeadModel, tokenizer: Any = None) -> Any:
+def bridge_with_own_norms(model: nn.Module, tokenizer: Any = None) -> Any:
     """An exact ``TransformerBridge`` whose norm slots call ``model``'s own norm modules.
 
-    For partially LN-free models: each ``ln_1``/``ln_2``/``ln_f`` may be any module (a real
-    ``nn.LayerNorm``, an ``lnfree`` fixed-scale ``FakeLayerNorm`` or an identity); the bridge's
+    For partially LN-free models: each norm may be any module (a real norm, an ``lnfree``
+    fixed-scale ``FixedScaleNorm`` or an identity); the bridge's
     pass-through slots run them as they are. The residual stream is then not linear in the
     components wherever a norm is real, so per-component attribution is exact only through
     fixed-scale norms. The caller's model is not modified.
     """
-    _check_gpt2(model)
-    if not isinstance(model.lm_head, nn.Linear):
-        raise TypeError(f"lm_head must be an nn.Linear, got {type(model.lm_head).__name__}")
+    _check(model)
+    if not isinstance(model.get_output_embeddings(), nn.Linear):
+        raise TypeError(f"the unembedding must be an nn.Linear, got {type(model.get_output_embeddings()).__name__}")
     return _pass_through_bridge(model, tokenizer)
 
 
-def _pass_through_bridge(model: GPT2LMHeadModel, tokenizer: Any) -> Any:
-    head = model.lm_head
+def _pass_through_bridge(model: nn.Module, tokenizer: Any) -> Any:
+    arch = _check(model)
+    head = model.get_output_embeddings()
     d_vocab = head.weight.shape[0]
     local = copy.deepcopy(model).eval()
-    # The head is its own module (possibly with a bias); nothing must re-tie it to wte.
+    # The head is its own module (possibly with a bias); nothing must re-tie it to the embedding.
     local.config.tie_word_embeddings = False
-    local_head = local.lm_head  # the bridge replaces the attribute with its own component
+    local_head = local.get_output_embeddings()  # the bridge replaces the attribute with its own component
     bridge = _build_bridge_from_module()(
-        local, ARCHITECTURE, hf_config=local.config, post_adapter_hook=_pass_through_norms
+        local, arch.bridge_architecture, hf_config=local.config, post_adapter_hook=_pass_through_norms(arch)
     )
     if bridge.cfg.normalization_type is not None:  # pragma: no cover - guards a TL behaviour change
         raise RuntimeError("TransformerLens reset normalization_type on a LN-free bridge")
@@ -263,34 +262,33 @@ def _pass_through_bridge(model: GPT2LMHeadModel, tokenizer: Any) -> Any:
     # nn.Linear, and only adds a zero buffer when there is no bias).  Check rather than trust.
     unembed = bridge.unembed.original_component
     if unembed is not local_head:  # pragma: no cover - guards a TL behaviour change
-        raise RuntimeError("the bridge's unembedding does not wrap the model's lm_head")
+        raise RuntimeError("the bridge's unembedding does not wrap the model's unembedding")
     expected_bias = head.bias if head.bias is not None else torch.zeros(d_vocab, dtype=head.weight.dtype)
     if not torch.equal(bridge.b_U.detach().cpu(), expected_bias.detach().cpu()):  # pragma: no cover
-        raise RuntimeError("the bridge's unembedding bias differs from lm_head.bias")
+        raise RuntimeError("the bridge's unembedding bias differs from the model's head bias")
 
     _attach_tokenizer(bridge, tokenizer)
     return bridge
 
 
-def _common_eps(model: GPT2LMHeadModel) -> float:
+def _common_eps(model: nn.Module) -> float:
     eps_values = set()
     for name, module in _norm_slots(model):
-        if not isinstance(module, nn.LayerNorm):
-            raise TypeError(f"{name} is a {type(module).__name__}, expected nn.LayerNorm")
-        if tuple(module.normalized_shape) != (model.config.n_embd,):
-            raise ValueError(f"{name} normalises over {tuple(module.normalized_shape)}, not ({model.config.n_embd},)")
-        eps_values.add(float(module.eps))
+        try:
+            eps_values.add(norm_eps(module))
+        except TypeError:
+            raise TypeError(f"{name} is a {type(module).__name__}, expected the family's real norm") from None
     if len(eps_values) != 1:
-        raise ValueError(
-            f"the LayerNorms use different eps values {sorted(eps_values)}; TransformerLens uses one cfg.eps"
-        )
+        raise ValueError(f"the norms use different eps values {sorted(eps_values)}; TransformerLens uses one cfg.eps")
     return eps_values.pop()
 
 
-def _make_affine(model: GPT2LMHeadModel) -> None:
+def _make_affine(model: nn.Module) -> None:
     """Give every LayerNorm of ``model`` (a private copy) a weight and a bias, as TL expects."""
     ref = next(model.parameters())
     for _, module in _norm_slots(model):
+        if not isinstance(module, nn.LayerNorm):
+            continue
         if module.weight is None:
             module.weight = nn.Parameter(torch.ones(module.normalized_shape, dtype=ref.dtype, device=ref.device))
         if module.bias is None:
@@ -299,13 +297,13 @@ def _make_affine(model: GPT2LMHeadModel) -> None:
 
 
 def bridge_from_layernorm(
-    model: GPT2LMHeadModel,
+    model: nn.Module,
     tokenizer: Any = None,
     *,
     compatibility_mode: bool = True,
     center_unembed: bool = False,
 ) -> Any:
-    """A ``TransformerBridge`` around a GPT-2 with real ``nn.LayerNorm`` modules.
+    """A ``TransformerBridge`` around a model with real norms (LayerNorm or RMSNorm).
 
     Works for any eps, including the eps-trick format (``eps=1e12``, weights scaled by
     ``1e6/sigma``): the bridge's ``cfg.eps`` is taken from the LayerNorm modules (which must share
@@ -315,13 +313,13 @@ def bridge_from_layernorm(
     logits equal the HF model's (centring shifts each position's logits by a constant).  The
     caller's model and tokenizer are not modified.
     """
-    _check_gpt2(model)
+    arch = _check(model)
     eps = _common_eps(model)
 
     local = copy.deepcopy(model).eval()
     _make_affine(local)
-    local.config.layer_norm_epsilon = eps  # TL's norm bridge reads cfg.eps, not module.eps
-    bridge = _build_bridge_from_module()(local, ARCHITECTURE, hf_config=local.config)
+    arch.set_eps(local.config, eps)  # TL's norm bridge reads cfg.eps, not the module's eps
+    bridge = _build_bridge_from_module()(local, arch.bridge_architecture, hf_config=local.config)
     if float(bridge.cfg.eps) != eps:  # pragma: no cover - guards a TL behaviour change
         raise RuntimeError(f"bridge cfg.eps={bridge.cfg.eps} differs from the LayerNorm eps {eps}")
     if compatibility_mode:
@@ -354,6 +352,16 @@ def _is_normalised(bridge: Any) -> bool:
     return bridge.cfg.normalization_type is not None
 
 
+def is_layernorm(bridge: Any) -> bool:
+    """True when the bridge's norms centre their input (LayerNorm), False for RMSNorm or none."""
+    return str(bridge.cfg.normalization_type or "").startswith("LN")
+
+
+def _has_pos_embed(bridge: Any) -> bool:
+    """True for learned positional embeddings added to the residual stream (GPT-2), not rotary ones."""
+    return "pos_embed" in dict(bridge.named_children())
+
+
 @dataclass
 class ResidualDecomposition:
     """The final residual stream split into the direct contributions of each component.
@@ -362,7 +370,7 @@ class ResidualDecomposition:
     """
 
     components: torch.Tensor  # [n_components, batch, pos, d_model]
-    labels: list[str]  # "embed", "pos_embed", then per layer "L{l}.attn" (or "L{l}H{h}"...,
+    labels: list[str]  # "embed", "pos_embed" (learned positions only), then per layer "L{l}.attn" (or "L{l}H{h}"...,
     #                    "L{l}.attn_bias") and "L{l}.mlp"
     final_resid: torch.Tensor  # [batch, pos, d_model]
     final_scale: Optional[torch.Tensor]  # [batch, pos, 1] ln_final's scale; None for LN-free bridges
@@ -379,7 +387,8 @@ def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = Fals
     """
     ids = _as_batch(input_ids, bridge)
     n_layers = bridge.cfg.n_layers
-    wanted: dict[str, str] = {"embed": hook_name("embed"), "pos_embed": hook_name("pos_embed")}
+    embeddings = ["embed", "pos_embed"] if _has_pos_embed(bridge) else ["embed"]
+    wanted: dict[str, str] = {name: hook_name(name) for name in embeddings}
     for layer in range(n_layers):
         wanted[f"attn{layer}"] = hook_name("result" if per_head else "attn_out", layer)
         wanted[f"mlp{layer}"] = hook_name("mlp_out", layer)
@@ -408,16 +417,17 @@ def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = Fals
     if missing:  # pragma: no cover - guards a TL behaviour change
         raise RuntimeError(f"hooks did not fire: {[wanted[k] for k in missing]}")
 
-    parts = [store["embed"], store["pos_embed"]]
-    labels = ["embed", "pos_embed"]
+    parts = [store[name] for name in embeddings]
+    labels = list(embeddings)
     for layer in range(n_layers):
         if per_head:
             result = store[f"attn{layer}"]  # [batch, pos, head, d_model]
             parts.extend(result.unbind(-2))
             labels.extend(f"L{layer}H{h}" for h in range(result.shape[-2]))
-            b_O = bridge.blocks[layer].attn.b_O.detach()
-            parts.append(b_O.expand_as(store["embed"]).clone())
-            labels.append(f"L{layer}.attn_bias")
+            b_O = bridge.blocks[layer].attn.b_O
+            if b_O is not None:  # Llama-family attention has no output bias
+                parts.append(b_O.detach().expand_as(store["embed"]).clone())
+                labels.append(f"L{layer}.attn_bias")
         else:
             parts.append(store[f"attn{layer}"])
             labels.append(f"L{layer}.attn")
@@ -457,7 +467,8 @@ def direct_logit_attribution(
     norm = bridge.ln_final.original_component
     weight = norm.weight.detach() if getattr(norm, "weight", None) is not None else None
     bias = norm.bias.detach() if getattr(norm, "bias", None) is not None else None
-    normed = (comps - comps.mean(-1, keepdim=True)) / decomposition.final_scale
+    centred = comps - comps.mean(-1, keepdim=True) if is_layernorm(bridge) else comps
+    normed = centred / decomposition.final_scale
     if weight is not None:
         normed = normed * weight
     total_bias = b_U.clone() if bias is None else b_U + bias @ W_U

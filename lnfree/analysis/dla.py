@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from lnfree.analysis.common import AnalysisModel, ratio_of_means_ci, write_figure, write_summary, write_table
-from lnfree.bridge import ResidualDecomposition, direct_logit_attribution, residual_decomposition
+from lnfree.bridge import ResidualDecomposition, direct_logit_attribution, is_layernorm, residual_decomposition
 
 __all__ = [
     "DlaResult",
@@ -90,14 +90,14 @@ def final_norm(bridge: Any, resid: torch.Tensor) -> torch.Tensor:
     """The bridge's final norm applied to ``resid [..., d_model]``, recomputed from scratch.
 
     Identity for a LN-free bridge (``cfg.normalization_type is None``).  Otherwise a LayerNorm
-    with the bridge's ``cfg.eps`` and the final norm's weight and bias (1 and 0 after
-    ``fold_ln``), computed in ``resid``'s dtype.
+    (or an RMSNorm: no centring) with the bridge's ``cfg.eps`` and the final norm's weight and
+    bias (1 and 0 after ``fold_ln``), computed in ``resid``'s dtype.
     """
     if bridge.cfg.normalization_type is None:
         return resid
-    if bridge.cfg.normalization_type not in ("LN", "LNPre"):
+    if bridge.cfg.normalization_type not in ("LN", "LNPre", "RMS", "RMSPre"):
         raise ValueError(f"unsupported final norm {bridge.cfg.normalization_type!r}")
-    centred = resid - resid.mean(-1, keepdim=True)
+    centred = resid - resid.mean(-1, keepdim=True) if is_layernorm(bridge) else resid
     normed = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + float(bridge.cfg.eps))
     norm = bridge.ln_final.original_component
     weight = getattr(norm, "weight", None)
@@ -142,7 +142,8 @@ def _target_logit_without(bridge: Any, x: torch.Tensor, comps: torch.Tensor, W_t
 
     ``x [P, d]``, ``comps [C, P, d]``, ``W_t [P, d]`` (each position's target column); returns
     ``[C, P]``. For a LayerNorm, with centred x̃, c̃: var(x − c) = var x − 2·cov(x, c) + var c and
-    (x̃ − c̃)·(w ⊙ W_t), so no ``[C, P, d]`` normalised copy is ever materialised.
+    (x̃ − c̃)·(w ⊙ W_t), so no ``[C, P, d]`` normalised copy is ever materialised (an RMSNorm
+    alike, uncentred).
     """
     if bridge.cfg.normalization_type is None:
         return ((x.unsqueeze(0) - comps) * W_t).sum(-1)
@@ -150,8 +151,9 @@ def _target_logit_without(bridge: Any, x: torch.Tensor, comps: torch.Tensor, W_t
     weight = getattr(norm, "weight", None)
     bias = getattr(norm, "bias", None)
     w_t = W_t if weight is None else W_t * weight.detach().double()
-    x_c = x - x.mean(-1, keepdim=True)
-    c_c = comps - comps.mean(-1, keepdim=True)
+    centre = is_layernorm(bridge)
+    x_c = x - x.mean(-1, keepdim=True) if centre else x
+    c_c = comps - comps.mean(-1, keepdim=True) if centre else comps
     var = (x_c.pow(2).mean(-1) - 2 * (c_c * x_c).mean(-1) + c_c.pow(2).mean(-1)).clamp_min(0)
     projected = (x_c * w_t).sum(-1) - (c_c * w_t).sum(-1)
     logit = projected / torch.sqrt(var + float(bridge.cfg.eps))

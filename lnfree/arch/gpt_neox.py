@@ -1,8 +1,11 @@
-"""GPT-NeoX / Pythia (`GPTNeoXForCausalLM`): LayerNorms with bias. `input_layernorm` → the fused
-`attention.query_key_value`, whose output is viewed as (heads, 3·head_size), so the Q, K and V
-columns interleave per head; `post_attention_layernorm` → `mlp.dense_h_to_4h`; final
-`gpt_neox.final_layer_norm` → `embed_out` (untied). With `use_parallel_residual` both block norms
-read the same residual stream; they remain separate slots either way."""
+"""GPT-NeoX / Pythia (`GPTNeoXForCausalLM`): LayerNorms with bias.
+
+`input_layernorm` → the fused `attention.query_key_value`, whose output is viewed as
+(heads, 3·head_size), so the Q, K and V columns interleave per head; `post_attention_layernorm` →
+`mlp.dense_h_to_4h`; final `gpt_neox.final_layer_norm` → `lm_head` (`embed_out` in older
+checkpoints; untied in Pythia). With `use_parallel_residual` both block norms read the same
+residual stream; they remain separate slots either way.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ class GPTNeoX(Architecture):
     eps_field = "layer_norm_eps"
     default_eps = 1e-5
     final_norm = "gpt_neox.final_layer_norm"
-    unembedding = "embed_out"
+    unembedding = "lm_head"
     token_embedding = "gpt_neox.embed_in"
     layers = "gpt_neox.layers"
     attention = "attention"
