@@ -268,6 +268,7 @@ def _pass_through_bridge(model: nn.Module, tokenizer: Any) -> Any:
         raise RuntimeError("the bridge's unembedding bias differs from the model's head bias")
 
     _attach_tokenizer(bridge, tokenizer)
+    bridge.lnfree_norm_kind = arch.norm_kind
     return bridge
 
 
@@ -325,6 +326,7 @@ def bridge_from_layernorm(
     if compatibility_mode:
         bridge.enable_compatibility_mode(disable_warnings=True, center_unembed=center_unembed)
     _attach_tokenizer(bridge, tokenizer)
+    bridge.lnfree_norm_kind = arch.norm_kind
     return bridge
 
 
@@ -355,6 +357,11 @@ def _is_normalised(bridge: Any) -> bool:
 def is_layernorm(bridge: Any) -> bool:
     """True when the bridge's norms centre their input (LayerNorm), False for RMSNorm or none."""
     return str(bridge.cfg.normalization_type or "").startswith("LN")
+
+
+def norm_centres(bridge: Any) -> bool:
+    """True when the model's norms (real or folded away) centre their input: LayerNorm, not RMSNorm."""
+    return getattr(bridge, "lnfree_norm_kind", "layer") == "layer"
 
 
 def _has_pos_embed(bridge: Any) -> bool:

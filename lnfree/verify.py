@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import GPT2LMHeadModel
+from torch import nn
+from transformers import AutoModelForCausalLM
 
+from lnfree.arch import architecture
 from lnfree.load import LoadedModel, load
 
 TOLERANCE = 1e-4
@@ -27,23 +29,34 @@ def sample_tokens(vocab_size: int, n_positions: int, n_sequences: int = 4, lengt
 
 
 @torch.no_grad()
-def dla_reconstruction(folded: GPT2LMHeadModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, Σ direct contributions + unembedding bias) of a folded LN-free model."""
+def dla_reconstruction(folded: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, Σ direct contributions + unembedding bias) of a folded LN-free model of any family."""
+    arch = architecture(folded)
     outputs: list[torch.Tensor] = []
-    handles = []
-    for block in folded.transformer.h:
-        handles.append(block.attn.register_forward_hook(lambda m, a, out: outputs.append(out[0])))
-        handles.append(block.mlp.register_forward_hook(lambda m, a, out: outputs.append(out)))
+    handles = [
+        folded.get_submodule(name).register_forward_hook(
+            lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        for name in arch.output_modules()
+    ]
     try:
         logits = folded(input_ids=input_ids).logits
     finally:
         for handle in handles:
             handle.remove()
-    positions = torch.arange(input_ids.shape[1])
-    components = [folded.transformer.wte(input_ids), folded.transformer.wpe(positions)[None], *outputs]
-    head = folded.lm_head
-    direct = sum(component @ head.weight.T for component in components) + head.bias
-    return logits, direct
+    components = [folded.get_submodule(arch.token_embedding)(input_ids), *outputs]
+    if arch.position_embedding is not None:
+        positions = torch.arange(input_ids.shape[1])
+        components.append(folded.get_submodule(arch.position_embedding)(positions)[None])
+    head = folded.get_output_embeddings()
+    direct = sum(component @ head.weight.T for component in components)
+    return logits, direct + head.bias if head.bias is not None else direct
+
+
+def worst_token_relative_error(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, int]:
+    """The largest per-token ‖logits − reference‖ / ‖reference‖ and the position where it occurs."""
+    error = (logits.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)
+    worst = int(error.argmax())
+    return float(error.flatten()[worst]), worst % error.shape[-1]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,7 +67,7 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
     """Run every check on `source`; returns a JSON-ready report with `ok` overall and per check."""
     loaded: LoadedModel = load(source)
     config = loaded.model.config
-    ids = sample_tokens(config.vocab_size, config.n_positions, seed=seed)
+    ids = sample_tokens(config.vocab_size, loaded.arch.n_positions or 32, seed=seed)
     with torch.no_grad():
         reference = loaded.model(input_ids=ids).logits
     checks: dict[str, dict] = {}
@@ -64,13 +77,16 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
 
     path = Path(str(source))
     if loaded.kind != "lnfree checkpoint" and (path / "config.json").is_file():
-        plain = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
-            diff = _max_diff(plain(input_ids=ids).logits, reference)
+            logits = plain(input_ids=ids).logits
+        diff = _max_diff(logits, reference)
         note = "" if diff <= tolerance else (
-            f"plain transformers loading disagrees (config eps {plain.config.layer_norm_epsilon:g}); "
+            f"plain transformers loading disagrees (config eps {architecture(plain).eps:g}); "
             "loaders that read eps from the config get wrong logits: load with lnfree.load or fix the config")
         record("transformers.from_pretrained", diff, note)
+        error, position = worst_token_relative_error(logits, reference)
+        checks["transformers.from_pretrained"].update(worst_token_relative_error=error, worst_token_position=position)
     if loaded.fully_ln_free:
         folded = loaded.folded()
         logits, direct = dla_reconstruction(folded, ids)

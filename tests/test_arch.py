@@ -121,3 +121,77 @@ def test_qwen3_per_head_norms_are_their_own_stage_after_the_v_paths():
     assert kinds.index("q_norm") > max(i for i, k in enumerate(kinds) if k == "ln_1v")
     assert kinds[-1] == "ln_f"
     assert {e.slot for e in events} == {s for site in arch.sites() for s in site.slots}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-sequential"])
+def test_every_analysis_runs_on_the_family_through_the_cli(family, tokenizer, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from lnfree.cli import app
+
+    vocab = len(tokenizer)
+    base = tiny_family(family, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id)
+    original = tmp_path / "original"
+    copy.deepcopy(base).save_pretrained(original)
+    tokenizer.save_pretrained(original)
+    free = write_export(fully_fixed(surgery.install(base), vocab), tokenizer, tmp_path / "free", {})
+    out = tmp_path / "analysis"
+    result = CliRunner().invoke(app, [
+        "analyze", "all", "--models", str(original), str(free), "--labels", "original", "ln_free",
+        "--n-sequences", "4", "--length", "16", "--n-prompts", "8", "--n-bootstrap", "10", "--device", "cpu",
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / "index.json").read_text())
+    assert set(index["analyses"]) == {"dla", "patching", "entropy-neurons", "residual"}
+    dla = index["analyses"]["dla"]["models"]
+    assert dla["ln_free"]["heads"]["nmae"] < 1e-5 < dla["original"]["heads"]["nmae"]
+
+
+def family_run_config(family, tokenizer, tmp_path, **train):
+    """A quick run on the tiny corpus that removes every slot of a tiny `family` model."""
+    from conftest import quick_run_config
+
+    from lnfree.config import with_overrides
+
+    folder = tmp_path / f"{family}-model"
+    model = tiny_family(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    stages = [{"kind": "ln_2", "start": 2, "gap": 1}]
+    stages += [{"kind": kind, "gap": 1} for kind in architecture(model).stages[1:]]
+    stages += [{"kind": "ln_f", "gap": 0}]
+    config = quick_run_config(tmp_path / "run", folder, tmp_path / "cache", max_steps=len(stages) * 2 + 8, **train)
+    return with_overrides(config, {"removal.schedule": {"stages": stages}})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-parallel"])
+def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family, tokenizer, tmp_path):
+    import json
+    import shutil
+
+    from lnfree.config import with_overrides
+    from lnfree.export import export_run
+    from lnfree.train import run
+
+    config = family_run_config(family, tokenizer, tmp_path, save_every=4)
+    full = run(config, progress=False)
+    assert surgery.is_fully_removed(full.model)
+    state = json.loads((full.output_dir / "checkpoints/step_000004/trainer_state.json").read_text())["removal_state"]
+    assert 0 < sum(s["fake"] for s in state.values()) < len(state)  # mid-removal
+
+    moved = tmp_path / "moved"
+    shutil.copytree(full.output_dir, moved)
+    for later in sorted((moved / "checkpoints").iterdir())[1:]:
+        shutil.rmtree(later)
+    resumed = run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)
+    assert surgery.removal_state(resumed.model) == surgery.removal_state(full.model)
+    assert resumed.held_out_ce_end == pytest.approx(full.held_out_ce_end, rel=1e-6)
+
+    folder = export_run(full)
+    x = ids(len(tokenizer))
+    full.model.eval()
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=x).logits - full.model(input_ids=x).logits).abs().max() <= TOLERANCE

@@ -84,7 +84,7 @@ def test_refuses_bad_inputs_before_writing_anything(run_config, tmp_path):
     bert = tmp_path / "bert"
     BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(bert)
     config = run_config()
-    with pytest.raises(ModelError, match="is a bert model; lnfree supports the GPT-2 architecture only"):
+    with pytest.raises(ModelError, match="does not support bert models; supported families"):
         run(with_overrides(config, {"model": str(bert)}), progress=False)
     with pytest.raises(DataError, match="not found"):
         run(with_overrides(config, {"data.source": str(tmp_path / "missing.jsonl")}), progress=False)

@@ -32,7 +32,7 @@ Everything is read from the model's TransformerLens bridge (:meth:`AnalysisModel
 * LN-free models: the exact folded bridge, ``W_U = C diag(w_f / σ_f) W_E^T`` (the fixed-scale
   ``ln_f``, including its centring ``C``, folded into an untied head).
 
-Every norm of GPT-2, real or fixed-scale, centres its input, so the all-ones component of the
+Every LayerNorm, real or fixed-scale, centres its input, so the all-ones component of the
 residual stream never reaches the logits.  We therefore centre ``w_out`` and ``W_U`` over
 ``d_model`` (a no-op for the bridges above, except ``W_out`` of LN-free models) and treat the
 all-ones direction as a trivial null direction that is *excluded* from the singular directions:
@@ -79,7 +79,7 @@ import torch
 from lnfree.analysis.common import (
     AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
 )
-from lnfree.bridge import hook_name
+from lnfree.bridge import hook_name, norm_centres
 from lnfree.evaluate import token_statistics
 
 __all__ = [
@@ -187,7 +187,7 @@ def unembedding(bridge: Any) -> torch.Tensor:
     weight = getattr(norm, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.shape == (W_U.shape[0],):
         W_U = W_U * weight.detach().to(torch.float64).cpu()[:, None]
-    return centred(W_U, dim=0)
+    return centred(W_U, dim=0) if norm_centres(bridge) else W_U
 
 
 def _unembedding_description(model: AnalysisModel) -> str:
@@ -201,7 +201,8 @@ def _unembedding_description(model: AnalysisModel) -> str:
 
 def output_weights(bridge: Any, layer: int) -> torch.Tensor:
     """``W_out [d_mlp, d_model]`` of ``layer`` as the bridge applies it, centred over ``d_model``, float64."""
-    return centred(bridge.blocks[layer].mlp.W_out.detach().to(torch.float64).cpu(), dim=-1)
+    W_out = bridge.blocks[layer].mlp.W_out.detach().to(torch.float64).cpu()
+    return centred(W_out, dim=-1) if norm_centres(bridge) else W_out
 
 
 def _as_rows(vectors: torch.Tensor) -> torch.Tensor:
@@ -240,21 +241,27 @@ def candidate_scores(w_out: torch.Tensor, W_U: torch.Tensor) -> torch.Tensor:
     return w.norm(dim=1) / logit_variance(w, W_U).clamp_min(_EPS)
 
 
-def null_space_basis(W_U: torch.Tensor, *, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def null_space_basis(W_U: torch.Tensor, *, chunk: int = 8192, centre: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Left singular directions of the centred ``W_U``, smallest singular value first.
 
     Returns ``(directions [d_model, d_model-1], singular_values [d_model-1])``: the all-ones
-    direction (an exact null direction of a centred ``W_U``, removed by every norm) is excluded,
-    so ``directions[:, :k]`` are the k bottom non-trivial directions.  Uses the eigendecomposition
-    of ``C W_U W_Uᵀ C`` (any vocabulary size, including d_vocab < d_model).
+    direction (an exact null direction of a centred ``W_U``, removed by every LayerNorm) is
+    excluded, so ``directions[:, :k]`` are the k bottom non-trivial directions.  Uses the
+    eigendecomposition of ``C W_U W_Uᵀ C`` (any vocabulary size, including d_vocab < d_model).
+    With ``centre=False`` (RMSNorm families, whose norms do not centre) ``W_U`` is used as it is
+    and all ``d_model`` directions are returned.
     """
     W = torch.as_tensor(W_U, dtype=torch.float64)
     d, vocab = W.shape
     gram = torch.zeros(d, d, dtype=torch.float64)
     for start in range(0, vocab, chunk):
-        cols = centred(W[:, start:start + chunk], dim=0)
+        cols = W[:, start:start + chunk]
+        cols = centred(cols, dim=0) if centre else cols
         gram += cols @ cols.T
     gram = (gram + gram.T) / 2
+    if not centre:
+        values, vectors = torch.linalg.eigh(gram)
+        return vectors, values.clamp_min(0.0).sqrt()
     # The all-ones direction is an exact eigenvector (eigenvalue 0); lift it above every other
     # eigenvalue so it sorts last, then drop it.
     lift = 1.0 + 2.0 * gram.diagonal().sum()
@@ -265,6 +272,7 @@ def null_space_basis(W_U: torch.Tensor, *, chunk: int = 8192) -> tuple[torch.Ten
 
 def null_space_fraction(
     w_out: torch.Tensor, W_U: torch.Tensor | None = None, k: int | None = None, *, basis: torch.Tensor | None = None,
+    centre: bool = True,
 ) -> torch.Tensor:
     """Share of ``‖w_out‖²`` in the ``k`` bottom singular directions of ``W_U`` (per row).
 
@@ -272,11 +280,11 @@ def null_space_fraction(
     :func:`default_null_k`.  Pass a precomputed ``basis`` (from :func:`null_space_basis`) to skip
     the decomposition.  1 = entirely invisible to the unembedding, 0 = none of it.
     """
-    w = centred(_as_rows(w_out))
+    w = centred(_as_rows(w_out)) if centre else _as_rows(w_out)
     if basis is None:
         if W_U is None:
             raise ValueError("give W_U or a precomputed basis")
-        basis, _ = null_space_basis(W_U)
+        basis, _ = null_space_basis(W_U, centre=centre)
     k = default_null_k(w.shape[1]) if k is None else int(k)
     if not 1 <= k <= basis.shape[1]:
         raise ValueError(f"k must be in [1, {basis.shape[1]}], got {k}")
@@ -301,7 +309,7 @@ def rank_candidates(
     w_out = output_weights(bridge, layer)
     null_k = default_null_k(W_U.shape[0]) if null_k is None else int(null_k)
     if basis is None:
-        basis, _ = null_space_basis(W_U)
+        basis, _ = null_space_basis(W_U, centre=norm_centres(bridge))
     norms = w_out.norm(dim=1)
     var = logit_variance(w_out, W_U)
     table = pd.DataFrame({
@@ -310,7 +318,7 @@ def rank_candidates(
         "score": (norms / var.clamp_min(_EPS)).numpy(),
         "w_out_norm": norms.numpy(),
         "logit_var": var.numpy(),
-        "null_space_fraction": null_space_fraction(w_out, k=null_k, basis=basis).numpy(),
+        "null_space_fraction": null_space_fraction(w_out, k=null_k, basis=basis, centre=norm_centres(bridge)).numpy(),
         "null_k": null_k,
     })
     table = table.sort_values("score", ascending=False, kind="stable").reset_index(drop=True)
@@ -319,8 +327,8 @@ def rank_candidates(
 
 
 def _spectrum_table(w_out: torch.Tensor, basis: torch.Tensor) -> np.ndarray:
-    """Cumulative share of ``‖w‖²`` in the bottom-k directions, k = 1..d_model-1, per row."""
-    w = centred(_as_rows(w_out))
+    """Cumulative share of ``‖w‖²`` in the bottom-k directions, per row (``w_out`` as :func:`output_weights` gives it)."""
+    w = _as_rows(w_out)
     shares = (w @ basis) ** 2 / (w**2).sum(dim=1, keepdim=True).clamp_min(_EPS)
     return shares.cumsum(dim=1).numpy()
 
@@ -611,7 +619,7 @@ def run(
     for m in models:
         t0 = time.perf_counter()
         bridge = m.bridge()
-        bases[m.label] = null_space_basis(unembedding(bridge))
+        bases[m.label] = null_space_basis(unembedding(bridge), centre=norm_centres(bridge))
         rankings[m.label] = rank_candidates(bridge, rank_layer, null_k=null_k, basis=bases[m.label][0])
         timings[m.label]["ranking_s"] = time.perf_counter() - t0
 

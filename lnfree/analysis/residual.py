@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lnfree.arch import architecture
 from lnfree.analysis.common import AnalysisModel, bootstrap_ci, write_figure, write_summary, write_table
 from lnfree.bridge import hook_name
 
@@ -56,15 +57,17 @@ SINK_DEFINITIONS = ("head_mean", "per_query")
 
 
 def residual_stream(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """The residual stream of a transformers GPT-2 ``[n_layers + 1, n_seq, n_pos, d_model]``.
+    """The residual stream of a transformers model ``[n_layers + 1, n_seq, n_pos, d_model]``.
 
     Entries ``0 .. n_layers - 1`` are the inputs of the blocks (``hidden_states[l]`` of
-    ``output_hidden_states=True``); entry ``n_layers`` is the input of ``ln_f`` (the final
-    residual stream; transformers' last hidden state is taken *after* ``ln_f``).  No gradients.
+    ``output_hidden_states=True``); entry ``n_layers`` is the input of the final norm (the final
+    residual stream; transformers' last hidden state is taken *after* it).  No gradients.
     """
+    arch = architecture(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     captured: list[torch.Tensor] = []
-    handle = model.transformer.ln_f.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    final = model.get_submodule(arch.final_norm)
+    handle = final.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
@@ -72,9 +75,8 @@ def residual_stream(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     finally:
         handle.remove()
     if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
-        raise RuntimeError(f"ln_f ran {len(captured)} times in one forward")
-    n_layers = model.config.n_layer
-    return torch.stack([*out.hidden_states[:n_layers], captured[0]])
+        raise RuntimeError(f"the final norm ran {len(captured)} times in one forward")
+    return torch.stack([*out.hidden_states[:arch.n_layers], captured[0]])
 
 
 def residual_norms(model: Any, tokens: torch.Tensor, *, batch_size: int = 8) -> torch.Tensor:
