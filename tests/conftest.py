@@ -87,3 +87,30 @@ def tiny_ln_free_export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny") / "ln_free"
     write_export(model, tokenizer, folder, {"note": "test fixture: σ measured, no fine-tuning"})
     return folder
+
+
+def byte_level_bpe(text: list[str], vocab_size: int = 3000):
+    """A GPT-2-style byte-level BPE tokenizer (leading-space tokens, `<|endoftext|>`), trained in memory on `text`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def own_corpus(names, places, objects, n: int = 300, seed: int = 0) -> list[str]:
+    """A user's own small corpus: two-name stories that use only the verbs "went" and "gave"."""
+    import random
+
+    rng = random.Random(seed)
+    text = []
+    for _ in range(n):
+        a, b = rng.sample(list(names), 2)
+        place, obj = rng.choice(list(places)), rng.choice(list(objects))
+        text.append(f"Then, {a} and {b} went to the {place}. {a} gave {'an' if obj[0] in 'aeiou' else 'a'} {obj} to {b}.")
+    return text

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+from conftest import byte_level_bpe, own_corpus, small_gpt2
 from typer.testing import CliRunner
 
+from lnfree.analysis.ioi import DEFAULT_TEMPLATES, GPT2_NAMES, GPT2_OBJECTS, GPT2_PLACES
 from lnfree.cli import app
 
 runner = CliRunner()
@@ -28,6 +31,56 @@ def test_analyze_all_writes_every_analysis_and_an_index(tiny_ln_free_export, tmp
     page = (out / "index.md").read_text()
     assert "DLA vs DE: global NMAE" in page and "mean per-prompt NMAE" in page and "sink rate" in page
     assert "dla/dla_global_nmae.html" in page and (out / "index.html").exists()
+    # figures open offline: one local plotly.js for all of them, no CDN
+    assert list(out.rglob("plotly.min.js")) == [out / "plotly.min.js"]
+    for figure in (Path(p) for s in index["analyses"].values() for p in s["figures"] if p.endswith(".html")):
+        html = figure.read_text()
+        assert 'src="../plotly.min.js"' in html and "cdn.plot.ly" not in html, figure
+    # a progress bar per analysis; no weight-loading bars of other libraries
+    assert all(re.search(rf"{name}: \d+pass", result.stderr) for name in index["analyses"]), result.stderr
+    assert "Loading weights" not in result.stderr
+
+
+def own_model(folder: Path, names) -> Path:
+    """A random GPT-2 with a byte-level BPE of its own, trained on a small corpus naming `names`, and that corpus."""
+    corpus = own_corpus(names, GPT2_PLACES, GPT2_OBJECTS)
+    tokenizer = byte_level_bpe(corpus)
+    model = small_gpt2(n_layer=2, n_embd=32, n_positions=64, vocab_size=len(tokenizer))
+    model.config.bos_token_id = model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "corpus.txt").write_text("\n\n".join(corpus[:100]) + "\n")
+    return folder
+
+
+def test_analyze_all_on_a_model_with_its_own_tokenizer(tmp_path):
+    """Its BPE splits words of three templates: patching runs on the one that aligns (was an error)."""
+    model = own_model(tmp_path / "own", GPT2_NAMES[:20])
+    out = tmp_path / "analysis"
+    result = runner.invoke(app, ["analyze", "all", "--models", str(model), *SMALL, "--n-bootstrap", "0",
+                                 "--data", str(model / "corpus.txt"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / "index.json").read_text())
+    assert set(index["analyses"]) == {"dla", "patching", "entropy-neurons", "residual"} and not index["skipped"]
+    patching = index["analyses"]["patching"]
+    assert patching["models"]["own"]["n_prompts"] == 8
+    assert set(patching["models"]["own"]["templates_dropped"]) == set(DEFAULT_TEMPLATES[1:])
+
+
+def test_analyze_all_skips_what_a_model_cannot_support_and_says_why(tmp_path):
+    """A tokenizer without single-token names cannot give IOI prompts: the other analyses run, exit status 1."""
+    model = own_model(tmp_path / "own", ["Ka", "Lu", "Mo"])
+    out = tmp_path / "analysis"
+    result = runner.invoke(app, ["analyze", "all", "--models", str(model), *SMALL, "--n-bootstrap", "0",
+                                 "--data", str(model / "corpus.txt"), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    index = json.loads((out / "index.json").read_text())
+    assert set(index["analyses"]) == {"dla", "entropy-neurons", "residual"}
+    assert list(index["skipped"]) == ["patching"] and "two names" in index["skipped"]["patching"]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "skipped patching" in errors[0] and "Traceback" not in result.output
+    assert "patching: skipped: IOI prompts need two names" in result.stderr
+    assert "Skipped: IOI prompts need two names" in (out / "index.md").read_text()
 
 
 def test_analyze_runs_without_bootstrap_and_reports_bad_input(tiny_ln_free_export, model_dir, tmp_path):

@@ -7,11 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import byte_level_bpe, own_corpus
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lnfree.analysis import patching
-from lnfree.analysis.common import AnalysisModel
-from lnfree.analysis.ioi import DEFAULT_TEMPLATES, make_ioi_prompts, single_token_id, single_token_words
+from lnfree.analysis.common import AnalysisModel, NotApplicable
+from lnfree.analysis.ioi import (DEFAULT_TEMPLATES, GPT2_NAMES, GPT2_OBJECTS, GPT2_PLACES, make_ioi_prompts,
+                                 single_token_id, single_token_words)
 from lnfree.bridge import bridge_from_folded, hook_name
 from lnfree.load import load
 from lnfree.tiny import NAMES, OBJECTS, PLACES, TINY_MODEL_DIR
@@ -20,6 +22,14 @@ from lnfree.tiny import NAMES, OBJECTS, PLACES, TINY_MODEL_DIR
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
     return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def merging_tokenizer():
+    """The tiny tokenizer with one token spanning two words, "Mary and"."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    tokenizer.add_tokens(["Mary and"])
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +43,14 @@ def ln_free(tiny_ln_free_export):
 
 
 def bpe_tokenizer(words_in_training: list[str]) -> PreTrainedTokenizerFast:
-    """A GPT-2-style byte-level BPE tokenizer (leading-space tokens), trained in memory on IOI text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    """A byte-level BPE trained in memory on IOI text of every default template."""
     text = []
     for i, name in enumerate(words_in_training):
         other = words_in_training[(i + 1) % len(words_in_training)]
         for t in DEFAULT_TEMPLATES:
             text.append(t.format(N1=name, N2=other, S2=name, PLACE="store", OBJECT="drink", ART="a") + " " + other)
     text += [" ".join(PLACES), " ".join(OBJECTS), "a an apple"] * 5
-    tok.train_from_iterator(text, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    return byte_level_bpe(text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,12 +110,37 @@ def test_generator_with_byte_level_bpe():
     assert make_ioi_prompts(tok, 10, seed=1, prepend_bos=False).clean_ids.shape[1] == prompts.clean_ids.shape[1] - 1
 
 
-def test_generator_rejects_bad_inputs(tiny_tokenizer):
-    with pytest.raises(ValueError, match="different token lengths"):
-        make_ioi_prompts(tiny_tokenizer, 8, templates=(DEFAULT_TEMPLATES[0], "When {N1} and {N2} went to the "
-                                                       "{PLACE}, {S2} gave {ART} {OBJECT} to"))  # fmt: skip
-    with pytest.raises(ValueError, match="fewer than two names"):
+def test_generator_aligns_prompts_for_a_tokenizer_of_the_models_own():
+    """A BPE trained on other text splits some template words: the templates that align are kept."""
+    tok = byte_level_bpe(own_corpus(GPT2_NAMES[:20], GPT2_PLACES, GPT2_OBJECTS))
+    assert len(tok.tokenize(" walked")) > 1 and len(tok.tokenize(" went")) == 1  # the construction
+    prompts = make_ioi_prompts(tok, 12, seed=0)
+    assert prompts.template_texts == DEFAULT_TEMPLATES[:1] and set(prompts.templates) == {0}
+    assert set(prompts.dropped_templates) == set(DEFAULT_TEMPLATES[1:])
+    assert all("tokens with S2 at position" in why for why in prompts.dropped_templates.values())
+    differ = prompts.clean_ids != prompts.corrupted_ids
+    assert differ.sum(1).eq(1).all() and differ[:, prompts.s2_position].all()
+    for i in range(len(prompts)):
+        assert tok(prompts.clean_texts[i], add_special_tokens=False)["input_ids"] == prompts.clean_ids[i, 1:].tolist()
+        assert tok.convert_ids_to_tokens(int(prompts.clean_ids[i, prompts.s2_position])) == "Ġ" + prompts.s_names[i]
+
+
+def test_generator_keeps_the_largest_aligned_group_and_redraws_words_that_do_not_fit(tiny_tokenizer, merging_tokenizer):
+    longer = "When {N1} and {N2} went to the {PLACE}, {S2} gave {ART} {OBJECT} to the"
+    first_longer = make_ioi_prompts(tiny_tokenizer, 8, templates=(longer, *DEFAULT_TEMPLATES[:2]))
+    assert first_longer.template_texts == DEFAULT_TEMPLATES[:2] and list(first_longer.dropped_templates) == [longer]
+    assert first_longer.dropped_templates[longer].startswith("16 tokens with S2 at position 10")  # kept: at 11
+    # drawn prompts with Mary first would hold the token "Mary and": they are redrawn
+    prompts = make_ioi_prompts(merging_tokenizer, 24, seed=0, names=("John", "Tom", "Mary", "Anna"))
+    assert "Mary" in prompts.io_names and "Mary and" not in " ".join(prompts.clean_texts)
+    assert (prompts.clean_ids != prompts.corrupted_ids).sum(1).eq(1).all()
+
+
+def test_generator_rejects_bad_inputs(tiny_tokenizer, merging_tokenizer):
+    with pytest.raises(NotApplicable, match="two names that are single tokens"):
         make_ioi_prompts(tiny_tokenizer, 4, names=["Mary", "Zebulon"])
+    with pytest.raises(NotApplicable, match="none of the templates"):  # the first name is always N1 in the probe
+        make_ioi_prompts(merging_tokenizer, 4, names=("Mary", "John"))
     with pytest.raises(ValueError, match="unknown fields"):
         make_ioi_prompts(tiny_tokenizer, 4, templates=("Then, {N1} and {N2} met {X}. {S2} gave it to",))
     with pytest.raises(ValueError, match="exactly once"):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,13 +19,25 @@ import torch
 from lnfree.load import LoadedModel, load
 
 
+class NotApplicable(ValueError):
+    """An analysis cannot run on a model (e.g. its tokenizer cannot express the task): `analyze all` skips it."""
+
+
 @dataclass
 class AnalysisModel:
-    """A loaded model under a short label ("original", "vanilla", "ln_free"), with its bridge cached."""
+    """A loaded model under a short label ("original", "vanilla", "ln_free"), with its bridge cached.
+
+    While ``on_forward`` is set (see :func:`analysis_progress`), every forward pass of the model
+    or its bridge calls it with the label.
+    """
 
     label: str
     loaded: LoadedModel
     _bridge: Any = field(default=None, repr=False)
+    on_forward: Callable[[str], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _report_forwards(self.loaded.model, self)
 
     @property
     def tokenizer(self):
@@ -34,7 +51,74 @@ class AnalysisModel:
         """The model's TransformerLens bridge (built once): exact LN-free, or folded LN."""
         if self._bridge is None:
             self._bridge = self.loaded.bridge()
+            _report_forwards(self._bridge, self)
         return self._bridge
+
+
+def _report_forwards(network: torch.nn.Module, model: AnalysisModel) -> None:
+    """Call ``model.on_forward`` after each forward pass of ``network`` (hooked at its input embedding)."""
+    embedding = network.get_input_embeddings() if hasattr(network, "get_input_embeddings") else network.embed
+
+    def hook(module, args, output) -> None:
+        # Copies of the network (a bridge deep-copies its model) carry this hook too: count only the original.
+        if module is embedding and model.on_forward is not None:
+            model.on_forward(model.label)
+
+    embedding.register_forward_hook(hook)
+
+
+@contextlib.contextmanager
+def analysis_progress(models: Sequence[AnalysisModel], name: str, *, enabled: bool = True) -> Iterator[Any]:
+    """A progress bar for one analysis: the forward passes run so far and the model running now."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=name, unit="pass", disable=not enabled, leave=False, dynamic_ncols=True)
+
+    def tick(label: str) -> None:
+        bar.set_postfix_str(f"model={label}", refresh=False)
+        bar.update(1)
+
+    for model in models:
+        model.on_forward = tick
+    try:
+        yield bar
+    finally:
+        for model in models:
+            model.on_forward = None
+        bar.close()
+
+
+#: Loggers of the libraries under the analyses (their INFO/WARNING messages are not ours).
+LIBRARY_LOGGERS = ("transformers", "transformer_lens", "huggingface_hub", "accelerate", "torch")
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Silence other libraries' weight-loading bars, log messages and warnings; lnfree's own warnings still show."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_bars, hub_bars_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    hf_verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+    hf_logging.set_verbosity_error()
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            warnings.filterwarnings("default", module=r"lnfree(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(hf_verbosity)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+        if not hub_bars_off:
+            enable_progress_bars()
 
 
 def default_label(source: str) -> str:
@@ -119,12 +203,42 @@ def write_table(table, out_dir: str | Path, name: str) -> Path:
     return path
 
 
+#: The folder holding the one plotly.js copy that figures load (None: each figure's own folder).
+_PLOTLY_JS_DIR: ContextVar[Path | None] = ContextVar("plotly_js_dir", default=None)
+
+
+@contextlib.contextmanager
+def shared_plotly_js(folder: str | Path) -> Iterator[None]:
+    """Figures written in this block load plotly.js from one copy in ``folder`` (e.g. the analyses' root)."""
+    token = _PLOTLY_JS_DIR.set(Path(folder))
+    try:
+        yield
+    finally:
+        _PLOTLY_JS_DIR.reset(token)
+
+
+def _local_plotly_js(out_dir: Path) -> str:
+    """Write plotly.min.js (once, beside the figures) and return its path relative to ``out_dir``.
+
+    A CDN link leaves figures blank on an offline machine; inlining the 4.8 MB library in every
+    figure would make each one that large.
+    """
+    from plotly.offline import get_plotlyjs
+
+    folder = _PLOTLY_JS_DIR.get() or out_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    script, source = folder / "plotly.min.js", get_plotlyjs().encode()
+    if not script.exists() or script.stat().st_size != len(source):  # absent, or another plotly version's
+        script.write_bytes(source)
+    return Path(os.path.relpath(script, out_dir)).as_posix()
+
+
 def write_figure(figure, out_dir: str | Path, name: str) -> list[Path]:
-    """Write a plotly figure as HTML (always) and PNG (when a static exporter such as kaleido works)."""
+    """Write a plotly figure as HTML (always, working offline) and PNG (when a static exporter such as kaleido works)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     html = out_dir / f"{name}.html"
-    figure.write_html(html, include_plotlyjs="cdn")
+    figure.write_html(html, include_plotlyjs=_local_plotly_js(out_dir))
     written = [html]
     try:
         figure.write_image(out_dir / f"{name}.png")

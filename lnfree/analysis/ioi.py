@@ -14,9 +14,16 @@ Surface forms follow the tokenizer: every slot word (names, place, object) is pr
 in the templates, which is how GPT-2's byte-level BPE sees a word inside a sentence (``" Mary"``)
 and is equally right for the bundled tiny model's word-level tokenizer (which splits on spaces and
 isolates punctuation). Word lists are filtered with :func:`single_token_words` to the words that
-are a single, known token of the tokenizer in that form, so the same templates tokenise to the
-same length for every choice of words; :func:`make_ioi_prompts` checks that (and that each slot
-holds exactly its word's token) rather than assuming it.
+are a single, known token of the tokenizer in that form (objects also need their article ``a``/
+``an`` to be one), so a template tokenises to the same positions for every choice of words.
+
+Patching compares prompts position by position, so every prompt must share one layout (token
+length and slot positions). A template's literal words may tokenise differently in a model's own
+tokenizer (``" walked"`` is one GPT-2 token and five of a small BPE trained on other text), so
+:func:`make_ioi_prompts` tokenises each template, keeps the largest group of templates that share
+a layout and records why it dropped the others; every drawn prompt is checked against that
+layout (a draw that does not fit is redrawn). A tokenizer that cannot express the task (fewer
+than two single-token names, say) raises :class:`lnfree.analysis.common.NotApplicable`.
 
 The default word lists (:data:`GPT2_NAMES`, :data:`GPT2_PLACES`, :data:`GPT2_OBJECTS`) are single
 GPT-2 tokens with a leading space (checked against GPT-2's vocabulary); the bundled tiny model's
@@ -32,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from lnfree.analysis.common import NotApplicable
 
 __all__ = [
     "DEFAULT_TEMPLATES",
@@ -136,6 +145,7 @@ class IOIPrompts:
     seed: int
     prepend_bos: bool
     words: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the filtered lists used
+    dropped_templates: dict[str, str] = field(default_factory=dict)  # template -> why it does not align
 
     def __len__(self) -> int:
         return int(self.clean_ids.shape[0])
@@ -153,6 +163,7 @@ class IOIPrompts:
             pick(self.clean_texts), pick(self.corrupted_texts), pick(self.io_names), pick(self.s_names),
             pick(self.orders), pick(self.templates), self.template_texts, pick(self.pair),
             list(self.position_labels), self.s2_position, self.seed, self.prepend_bos, dict(self.words),
+            dict(self.dropped_templates),
         )  # fmt: skip
 
 
@@ -218,10 +229,11 @@ def make_ioi_prompts(
     the last partner. ``prepend_bos`` puts the tokenizer's BOS (or EOS) token first, as GPT-2's
     training documents begin after an end-of-text token.
 
-    Raises ``ValueError`` when fewer than two names (or no place/object) survive the single-token
-    filter, when a clean prompt and its corruption tokenise to different lengths or differ
-    elsewhere than at S2, when a slot does not hold exactly its word's token, or when the
-    templates give prompts of different lengths (patching needs aligned positions).
+    Only the largest group of ``templates`` with one layout (token length and slot positions) is
+    used; ``dropped_templates`` of the result says why each other one was left out. Raises
+    :class:`lnfree.analysis.common.NotApplicable` (a ``ValueError``) when the tokenizer cannot
+    give aligned prompts: fewer than two names, or no place or object, survive the single-token
+    filter, no template keeps its slot words single tokens, or too many draws do not fit.
     """
     if n_prompts < 1:
         raise ValueError("n_prompts must be >= 1")
@@ -233,12 +245,16 @@ def make_ioi_prompts(
     words = {
         "names": single_token_words(tokenizer, names),
         "places": single_token_words(tokenizer, places),
-        "objects": single_token_words(tokenizer, objects),
-    }
+        "objects": tuple(o for o in single_token_words(tokenizer, objects)
+                         if single_token_id(tokenizer, _article(o)) is not None),
+    }  # fmt: skip
     if len(words["names"]) < 2:
-        raise ValueError(f"fewer than two names are single tokens of this tokenizer: {words['names']}")
+        raise NotApplicable(f"IOI prompts need two names that are single tokens (after a space) of the model's "
+                            f"tokenizer; of {len(names)} candidates it has {list(words['names']) or 'none'}")
     if not words["places"] or not words["objects"]:
-        raise ValueError("no place or no object is a single token of this tokenizer")
+        raise NotApplicable("IOI prompts need a place and an object that are single tokens (after a space) of the "
+                            "model's tokenizer; it has none of the candidates for "
+                            + " and ".join(k for k in ("places", "objects") if not words[k]))
     bos: list[int] = []
     if prepend_bos:
         bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -246,81 +262,110 @@ def make_ioi_prompts(
             raise ValueError("prepend_bos=True but the tokenizer has neither a BOS nor an EOS token")
         bos = [int(bos_id)]
 
+    probe = {"N1": words["names"][0], "N2": words["names"][1], "PLACE": words["places"][0],
+             "OBJECT": words["objects"][0], "ART": _article(words["objects"][0])}  # fmt: skip
+    probed = [_tokenise_pair(tokenizer, template, probe, bos) for template in templates]
+    kept, layout, dropped = _aligned_templates(templates, [None if p is None else p[2] for p in probed])
+
     rng = random.Random(seed)
     rows: list[dict] = []
     n_pairs = (n_prompts + 1) // 2
-    for k in range(n_pairs):
-        t = rng.randrange(len(templates))
+    rejected, max_rejected = 0, max(100, 10 * n_pairs)
+    while len(rows) < 2 * n_pairs:
+        t = rng.randrange(len(kept))
         n1, n2 = rng.sample(words["names"], 2)
         place = words["places"][rng.randrange(len(words["places"]))]
         obj = words["objects"][rng.randrange(len(words["objects"]))]
         base = {"N1": n1, "N2": n2, "PLACE": place, "OBJECT": obj, "ART": _article(obj)}
+        pair = _tokenise_pair(tokenizer, kept[t], base, bos)
+        if pair is None or pair[2] != layout:
+            # Only tokenizers that merge across word boundaries get here: draw another pair.
+            rejected += 1
+            if rejected > max_rejected:
+                raise NotApplicable(f"IOI prompts: {rejected} drawn word combinations did not tokenise to prompts "
+                                    "aligned with the template's (one token per name, place and object)")
+            continue
+        abba_ids, baba_ids, _ = pair
+        k = len(rows) // 2
         abba = {**base, "S2": n2}  # S = second name, IO = first
         baba = {**base, "S2": n1}  # S = first name, IO = second
-        for order, clean, corrupt, io, s in (("ABBA", abba, baba, n1, n2), ("BABA", baba, abba, n2, n1)):
-            rows.append({"pair": k, "template": t, "order": order, "clean": clean, "corrupt": corrupt,
-                         "io": io, "s": s})  # fmt: skip
+        rows.append({"pair": k, "template": t, "order": "ABBA", "clean": abba, "corrupt": baba, "io": n1, "s": n2,
+                     "clean_ids": abba_ids, "corrupt_ids": baba_ids})
+        rows.append({"pair": k, "template": t, "order": "BABA", "clean": baba, "corrupt": abba, "io": n2, "s": n1,
+                     "clean_ids": baba_ids, "corrupt_ids": abba_ids})  # fmt: skip
     rows = rows[:n_prompts]
 
-    clean_ids, corrupt_ids, io_ids, s_ids, roles = [], [], [], [], []
-    for row in rows:
-        template = templates[row["template"]]
-        c_ids, c_pos = _tokenise(tokenizer, template, row["clean"], bos)
-        x_ids, x_pos = _tokenise(tokenizer, template, row["corrupt"], bos)
-        text = template.format(**row["clean"])
-        if len(c_ids) != len(x_ids):
-            raise ValueError(f"clean and corrupted prompts tokenise to {len(c_ids)} and {len(x_ids)} tokens: {text!r}")
-        for name in _WORD_SLOTS:
-            expected = single_token_id(tokenizer, row["clean"][name])
-            if c_pos.get(name) is None or c_pos[name] != x_pos[name] or c_ids[c_pos[name]] != expected:
-                raise ValueError(f"slot {name} of {text!r} is not the single token of {row['clean'][name]!r}")
-        differing = [i for i, (a, b) in enumerate(zip(c_ids, x_ids)) if a != b]
-        if differing != [c_pos["S2"]]:
-            raise ValueError(f"clean and corrupted prompts differ at {differing}, not only at S2: {text!r}")
-        clean_ids.append(c_ids)
-        corrupt_ids.append(x_ids)
-        io_ids.append(single_token_id(tokenizer, row["io"]))
-        s_ids.append(single_token_id(tokenizer, row["s"]))
-        role = ["BOS"] * len(bos) + [None] * (len(c_ids) - len(bos))
-        for name, pos in c_pos.items():
-            role[pos] = name
-        roles.append(role)
-
-    lengths = sorted({len(ids) for ids in clean_ids})
-    if len(lengths) != 1:
-        raise ValueError(f"the templates give prompts of different token lengths {lengths}; patching needs "
-                         "aligned positions: pass templates of one length")  # fmt: skip
-    s2 = {role.index("S2") for role in roles}
-    if len(s2) != 1:
-        raise ValueError("the templates put S2 at different positions; pass templates with aligned slots")
-
-    clean = torch.tensor(clean_ids, dtype=torch.long)
+    length, positions = layout
+    role: list[str | None] = ["BOS"] * len(bos) + [None] * (length - len(bos))
+    for name, pos in positions:
+        role[pos] = name
+    clean = torch.tensor([row["clean_ids"] for row in rows], dtype=torch.long)
     labels = []
-    for pos in range(clean.shape[1]):
-        slot = {role[pos] for role in roles}
+    for pos in range(length):
         tokens = set(clean[:, pos].tolist())
-        if len(slot) == 1 and None not in slot:
-            labels.append(slot.pop())
+        if role[pos] is not None:
+            labels.append(role[pos])
         elif len(tokens) == 1:
             labels.append(tokenizer.decode([tokens.pop()]).strip() or f"p{pos}")
         else:
             labels.append(f"p{pos}")
     return IOIPrompts(
         clean_ids=clean,
-        corrupted_ids=torch.tensor(corrupt_ids, dtype=torch.long),
-        io_ids=torch.tensor(io_ids, dtype=torch.long),
-        s_ids=torch.tensor(s_ids, dtype=torch.long),
-        clean_texts=[templates[r["template"]].format(**r["clean"]) for r in rows],
-        corrupted_texts=[templates[r["template"]].format(**r["corrupt"]) for r in rows],
+        corrupted_ids=torch.tensor([row["corrupt_ids"] for row in rows], dtype=torch.long),
+        io_ids=torch.tensor([single_token_id(tokenizer, row["io"]) for row in rows], dtype=torch.long),
+        s_ids=torch.tensor([single_token_id(tokenizer, row["s"]) for row in rows], dtype=torch.long),
+        clean_texts=[kept[r["template"]].format(**r["clean"]) for r in rows],
+        corrupted_texts=[kept[r["template"]].format(**r["corrupt"]) for r in rows],
         io_names=[r["io"] for r in rows],
         s_names=[r["s"] for r in rows],
         orders=[r["order"] for r in rows],
         templates=[r["template"] for r in rows],
-        template_texts=templates,
+        template_texts=kept,
         pair=[r["pair"] for r in rows],
         position_labels=labels,
-        s2_position=s2.pop(),
+        s2_position=dict(positions)["S2"],
         seed=seed,
         prepend_bos=prepend_bos,
         words=words,
+        dropped_templates=dropped,
     )
+
+
+def _tokenise_pair(tokenizer, template: str, base: dict[str, str], bos: list[int]):
+    """The ABBA and BABA prompts of one draw of words, tokenised, and their layout (length, slot positions).
+
+    None unless both prompts have the same layout, every word slot holds exactly its word's
+    single token, and the two differ only at S2.
+    """
+    abba, baba = {**base, "S2": base["N2"]}, {**base, "S2": base["N1"]}
+    a_ids, a_pos = _tokenise(tokenizer, template, abba, bos)
+    b_ids, b_pos = _tokenise(tokenizer, template, baba, bos)
+    if len(a_ids) != len(b_ids) or a_pos != b_pos or max(a_pos.values()) >= len(a_ids):
+        return None
+    for values, ids in ((abba, a_ids), (baba, b_ids)):
+        if any(ids[a_pos[name]] != single_token_id(tokenizer, values[name]) for name in _WORD_SLOTS):
+            return None
+    if [i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y] != [a_pos["S2"]]:
+        return None
+    return a_ids, b_ids, (len(a_ids), tuple(sorted(a_pos.items(), key=lambda item: item[1])))
+
+
+def _aligned_templates(templates: tuple[str, ...], layouts: list) -> tuple[tuple[str, ...], tuple, dict[str, str]]:
+    """The largest group of templates sharing one layout (ties: the earliest template's), it, and why others were dropped."""
+    groups: dict[tuple, list[str]] = {}
+    for template, layout in zip(templates, layouts):
+        if layout is not None:
+            groups.setdefault(layout, []).append(template)
+    if not groups:
+        raise NotApplicable("IOI prompts: in none of the templates do the names, place and object stay single tokens "
+                            "of the model's tokenizer")  # fmt: skip
+    layout = max(groups, key=lambda key: len(groups[key]))  # the first of equal groups
+    s2 = dict(layout[1])["S2"]
+    dropped = {}
+    for template, other in zip(templates, layouts):
+        if other is None:
+            dropped[template] = "its slot words do not stay single tokens in it"
+        elif other != layout:
+            dropped[template] = (f"{other[0]} tokens with S2 at position {dict(other[1])['S2']}, the kept templates "
+                                 f"{layout[0]} tokens with S2 at {s2}")  # fmt: skip
+    return tuple(groups[layout]), layout, dropped

@@ -628,6 +628,7 @@ def run(
         info: dict[str, Any] = {
             "ln_free": bool(model.ln_free),
             "n_prompts": len(prompts),
+            "templates_dropped": prompts.dropped_templates,  # templates whose tokens do not align with the rest
             "clean_logit_diff_mean": float(result.clean_ld.mean()),
             "corrupted_logit_diff_mean": float(result.corrupted_ld.mean()),
             "ioi_accuracy_clean": float((result.clean_ld > 0).float().mean()),
