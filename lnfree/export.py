@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -107,7 +107,8 @@ def write_export(
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
     plain = to_eps_trick(model, allow_partial=allow_partial)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp = out.parent / f".{out.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the export
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
