@@ -36,7 +36,7 @@ class DataConfig(_Strict):
     context_length: int | None = Field(None, ge=2, description="default: the model's n_positions")
     max_documents: int | None = Field(None, ge=2, description="cap on documents read (quick runs)")
     eval_sequences: int = Field(64, ge=1, description="held-out sequences used for CE")
-    min_held_out_tokens: int = Field(8192, ge=0, description="warn when the held-out CE scores fewer tokens")
+    min_held_out_tokens: int = Field(4096, ge=0, description="warn when the held-out CE scores fewer tokens")
     num_proc: int = Field(1, ge=1, description="tokenising processes (capped by the available cores)")
     cache_dir: str | None = Field(None, description="default: ~/.cache/lnfree/data")
 

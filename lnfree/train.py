@@ -345,8 +345,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     scored = data.scored_tokens(config.data.eval_sequences)
     if scored < config.data.min_held_out_tokens and accelerator.is_main_process:
         logger.warning(
-            "the held-out CE averages only %d tokens (data.min_held_out_tokens = %d): it is noisy; raise "
-            "data.val_fraction or data.eval_sequences", scored, config.data.min_held_out_tokens,
+            "the held-out CE averages only %s tokens (data.min_held_out_tokens = %s): it is noisy; raise "
+            "data.val_fraction or data.eval_sequences", f"{scored:,}", f"{config.data.min_held_out_tokens:,}",
         )
     if accelerator.is_main_process:
         _prepare_output_dir(config, resume, overwrite)

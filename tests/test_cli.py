@@ -96,6 +96,21 @@ def test_gpt2_presets_fine_tune_as_p25_did():
     assert load_preset("tiny").train.dropout == 0.0  # the committed tiny results stay reproducible
 
 
+def test_a_presets_micro_batch_bounds_the_automatic_one_when_the_user_changes_the_step():
+    from lnfree.cli import _adapt_micro_batch
+    from lnfree.config import with_overrides
+    from lnfree.train import micro_batches
+
+    xl = with_overrides(load_preset("gpt2-xl"), {"train.tokens_per_step": 12 * 1024})
+    adapted = _adapt_micro_batch(xl, {"train.tokens_per_step": 12 * 1024}, [])
+    assert micro_batches(adapted.train, 1024, 1) == (4, 3)  # the preset's 4 (memory) stays the bound
+    assert micro_batches(_adapt_micro_batch(xl, {}, ["train.tokens_per_step=12288"]).train, 1024, 1) == (4, 3)
+    small = with_overrides(load_preset("gpt2"), {"train.tokens_per_step": 4 * 1024})
+    assert micro_batches(_adapt_micro_batch(small, {"train.tokens_per_step": 4096}, []).train, 1024, 1) == (4, 1)
+    explicit = {"train.tokens_per_step": 4096, "train.micro_batch_size": 32}
+    assert _adapt_micro_batch(small, explicit, []).train.micro_batch_size == 32  # the user's own: kept (an error)
+
+
 def test_user_errors_are_one_line_without_links_or_tracebacks(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("[train]\nmax_steps = 0\nlearning_rate = -1\n")
