@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -128,8 +129,6 @@ def remove(
     overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir (files it wrote only).")] = False,
 ) -> None:
     """Fine-tune a GPT-2 while removing its LayerNorms one by one, then export it LN-free."""
-    import time
-
     from lnfree.config import with_overrides
     from lnfree.export import export_run
     from lnfree.sources import check_model_source
