@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,13 +15,37 @@ from lnfree.analysis.cli import analyze
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm from GPT-2 models by fine-tuning.")
 
-PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`).")
-CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config.")
+PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: chosen from --model)")
+CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config, instead of a preset. (default: none)")
 
 
 def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    one_line = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    typer.secho(f"error: {one_line}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """Errors a user can cause (paths, configs, runs) as one `error:` line; anything else is a bug."""
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        _fail(str(err))
+
+
+class _MessageLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        typer.secho(prefix + record.getMessage(), err=True, fg=typer.colors.YELLOW if prefix else None)
+
+
+def _show_messages() -> None:
+    """Print lnfree's own log messages (data counts, resume notes, warnings) on stderr."""
+    logger = logging.getLogger("lnfree")
+    logger.handlers = [h for h in logger.handlers if not isinstance(h, _MessageLines)] + [_MessageLines()]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _base_config(preset: str | None, config_file: Path | None, model: str | None):
@@ -37,14 +63,30 @@ def _base_config(preset: str | None, config_file: Path | None, model: str | None
         candidate = load_preset(name)
         if model in (name, candidate.model):
             return candidate
-    # Any other GPT-2: the GPT-2 small hyperparameters; context, schedule and length from the model.
+    # Any other GPT-2: the GPT-2 small hyperparameters; context, schedule and length from the model,
+    # the model's own dropout (as P25 kept GPT-2's), a micro-batch that fits the step.
     generic = load_preset("gpt2")
     return generic.model_copy(update={
         "data": generic.data.model_copy(update={"context_length": None}),
         "removal": generic.removal.model_copy(update={"schedule": None}),
-        "train": generic.train.model_copy(update={"max_steps": None}),
+        "train": generic.train.model_copy(update={
+            "max_steps": None, "dropout": None, "micro_batch_size": None,
+            "max_micro_batch_size": generic.train.micro_batch_size,
+        }),
         "output_dir": f"runs/{Path(model).name}",
     })
+
+
+def _adapt_micro_batch(cfg, named: dict, overrides: list[str]):
+    """A preset's micro-batch becomes an upper bound when the user changed the step but not the micro-batch."""
+    keys = {k for k, v in named.items() if v is not None} | {item.partition("=")[0].strip() for item in overrides}
+    if "train.micro_batch_size" in keys or not keys & {"train.tokens_per_step", "data.context_length"}:
+        return cfg
+    if cfg.train.micro_batch_size is None:
+        return cfg
+    from lnfree.config import with_overrides
+
+    return with_overrides(cfg, {"train.micro_batch_size": None, "train.max_micro_batch_size": cfg.train.micro_batch_size})
 
 
 def _removal_lines(events: list[dict]) -> list[str]:
@@ -56,30 +98,44 @@ def _removal_lines(events: list[dict]) -> list[str]:
     return [f"  {kind:>12}: {', '.join(parts)}" for kind, parts in by_kind.items()]
 
 
+def _summary_lines(summary: dict) -> list[str]:
+    tokens = f"{summary['held_out_tokens']:,} tokens" if "held_out_tokens" in summary else "tokens not recorded"
+    lines = [f"\n{summary['model']}: {summary['steps']} steps, {summary['tokens']:,} tokens, {summary['seconds']} s",
+             "held-out cross-entropy (nats):"]
+    lines += [f"  {name:>12}: {value:.4f}  (on {tokens})" for name, value in summary["held_out_ce"].items()]
+    if summary["removal_events"]:
+        lines += ["removed (block @ step):", *_removal_lines(summary["removal_events"])]
+    if "export" in summary:
+        lines.append(f"LN-free export: {summary['export']}")
+    return lines
+
+
 @app.command()
 def remove(
-    model: Annotated[Optional[str], typer.Option(help="Local folder or Hub id of a GPT-2 checkpoint (default: the bundled tiny model).")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Local folder or Hub id of a GPT-2 checkpoint. (default: the bundled tiny model)")] = None,
+    data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
     preset: Annotated[Optional[str], PRESET_OPT] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
-    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o")] = None,
-    mode: Annotated[Optional[str], typer.Option(help="'remove' or 'vanilla' (the control: no LN removed).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option()] = None,
-    tokens_per_step: Annotated[Optional[int], typer.Option()] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option()] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")] = None,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    control: Annotated[Optional[bool], typer.Option("--control/--no-control", help="Also run the vanilla control (default: on for the tiny model).")] = None,
-    override: Annotated[Optional[list[str]], typer.Option("--set", help="Any config field, e.g. --set train.aux_loss_weight=0.03")] = None,
-    resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its latest checkpoint.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir.")] = False,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder. (default: the preset's, runs/NAME)")] = None,
+    mode: Annotated[Optional[str], typer.Option(help="'remove' or 'vanilla' (the control: no LN removed). (default: remove)")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimiser steps. (default: the preset's, else 3 × the last removal)")] = None,
+    tokens_per_step: Annotated[Optional[int], typer.Option(help="Tokens per optimiser step. (default: the preset's, 2^19 for GPT-2)")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Sequences per device per forward. (default: the preset's; the largest that fits the step if --tokens-per-step is given)")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate. (default: the preset's)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the data order and initialisation. (default: the preset's)")] = None,
+    control: Annotated[Optional[bool], typer.Option("--control/--no-control", help="Also run the vanilla control. (default: on for the tiny model)")] = None,
+    override: Annotated[Optional[list[str]], typer.Option("--set", help="Any config field, e.g. --set train.aux_loss_weight=0.03 (repeatable). (default: none)")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its latest complete checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir (files it wrote only).")] = False,
 ) -> None:
     """Fine-tune a GPT-2 while removing its LayerNorms one by one, then export it LN-free."""
     from lnfree.config import with_overrides
     from lnfree.export import export_run
-    from lnfree.train import run
+    from lnfree.sources import check_model_source
+    from lnfree.train import quiet_libraries, run
 
-    try:
+    _show_messages()
+    with _user_errors():
         cfg = _base_config(preset, config, model)
         named = {
             "model": model, "data.source": data, "output_dir": output_dir, "removal.mode": mode,
@@ -88,83 +144,81 @@ def remove(
         }
         cfg = with_overrides(cfg, {k: v for k, v in named.items() if v is not None})
         cfg = with_overrides(cfg, override or [])
-    except (ValueError, FileNotFoundError) as err:
-        _fail(str(err))
+        cfg = _adapt_micro_batch(cfg, named, override or [])
+        check_model_source(cfg.model)
+    if resume and not (Path(cfg.output_dir) / "run_config.json").is_file():
+        _fail(f"nothing to resume in {cfg.output_dir}: it holds no lnfree run (drop --resume to start one)")
     if lr is not None and cfg.train.min_learning_rate > lr:
         cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
     run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
     started = time.perf_counter()
-    try:
+    with _user_errors(), quiet_libraries():
         result = run(cfg, resume=resume, overwrite=overwrite)
         control_result = None
         if run_control:
             control_cfg = with_overrides(cfg, {"removal.mode": "vanilla", "output_dir": str(Path(cfg.output_dir) / "control")})
             control_resume = resume and (Path(control_cfg.output_dir) / "run_config.json").exists()
             control_result = run(control_cfg, resume=control_resume, overwrite=False)
-    except ValueError as err:
-        _fail(str(err))
-    from accelerate import PartialState
+        from accelerate import PartialState
 
-    if not PartialState().is_main_process:
-        return
-    out = result.output_dir
-    summary = {
-        "model": cfg.model,
-        "mode": cfg.removal.mode,
-        "held_out_ce": {"original": result.held_out_ce_start,
-                        ("ln_free" if cfg.removal.mode == "remove" else "vanilla"): result.held_out_ce_end},
-        "steps": result.config.train.max_steps,
-        "tokens": result.config.train.max_steps * cfg.train.tokens_per_step,
-        "removal_events": result.events,
-        "checkpoint": str(result.checkpoint),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    if control_result is not None:
-        summary["held_out_ce"]["vanilla"] = control_result.held_out_ce_end
-        summary["control_dir"] = str(control_result.output_dir)
-    if cfg.removal.mode == "remove":
-        summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
-        summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-
-    typer.echo(f"\n{cfg.model}: {summary['steps']} steps, {summary['tokens']:,} tokens, {summary['seconds']} s")
-    typer.echo("held-out cross-entropy (nats):")
-    for name, value in summary["held_out_ce"].items():
-        typer.echo(f"  {name:>12}: {value:.4f}")
-    if result.events:
-        typer.echo("removed (block @ step):")
-        typer.echo("\n".join(_removal_lines(result.events)))
-    if "export" in summary:
-        typer.echo(f"LN-free export: {summary['export']}")
-    typer.echo(f"summary: {out / 'summary.json'}")
+        if not PartialState().is_main_process:
+            return
+        out = result.output_dir
+        runs = [result] + ([control_result] if control_result is not None else [])
+        if all(r.already_finished for r in runs) and (out / "summary.json").exists():
+            typer.echo(f"{out} is finished already: nothing changed")
+            typer.echo("\n".join(_summary_lines(json.loads((out / "summary.json").read_text()))))
+            return
+        summary = {
+            "model": cfg.model,
+            "mode": cfg.removal.mode,
+            "held_out_ce": {"original": result.held_out_ce_start,
+                            ("ln_free" if cfg.removal.mode == "remove" else "vanilla"): result.held_out_ce_end},
+            "held_out_tokens": result.held_out_tokens,
+            "steps": result.config.train.max_steps,
+            "tokens": result.config.train.max_steps * cfg.train.tokens_per_step,
+            "removal_events": result.events,
+            "checkpoint": str(result.checkpoint),
+            "seconds": round(sum(r.seconds for r in runs), 1),  # fine-tuning, over every process (resumes included)
+        }
+        if control_result is not None:
+            summary["held_out_ce"]["vanilla"] = control_result.held_out_ce_end
+            summary["control_dir"] = str(control_result.output_dir)
+        if cfg.removal.mode == "remove":
+            summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
+            summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    typer.echo("\n".join(_summary_lines(summary)))
+    typer.echo(f"summary: {out / 'summary.json'} (this invocation: {time.perf_counter() - started:.1f} s)")
 
 
 @app.command()
 def schedule(
     preset: Annotated[Optional[str], PRESET_OPT] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
-    n_layer: Annotated[Optional[int], typer.Option(help="Depth to expand for (default: the preset's model).")] = None,
-    events: Annotated[bool, typer.Option("--events", help="List every event, not one line per stage.")] = False,
+    n_layer: Annotated[Optional[int], typer.Option(help="Depth to expand for. (default: the preset's model's)")] = None,
+    events: Annotated[bool, typer.Option("--events", help="List every event, not one line per stage. (default: off)")] = False,
 ) -> None:
     """Print a preset's removal timeline."""
     from lnfree.models import load_config as load_model_config
+    from lnfree.sources import check_model_source
     from lnfree.train import resolve_run
 
     from lnfree.arch import architecture
     from lnfree.schedule import PER_LAYER_KINDS
 
-    cfg = _base_config(preset, config, None)
+    with _user_errors():
+        cfg = _base_config(preset, config, None)
     stages = PER_LAYER_KINDS[:3]
     if n_layer is None:
         try:
+            check_model_source(cfg.model)
             arch = architecture(load_model_config(cfg.model))
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             _fail(f"{err} (pass --n-layer)")
         n_layer, stages = arch.n_layers, arch.stages
-    try:
+    with _user_errors():
         cfg, timeline = resolve_run(cfg, n_layer, stages)
-    except ValueError as err:
-        _fail(str(err))
     typer.echo(f"{cfg.description or cfg.model} — {n_layer} blocks, {cfg.train.max_steps} steps")
     if events:
         for e in timeline:
@@ -178,45 +232,48 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(help="A run folder (its latest checkpoint) or a checkpoints/step_N folder.")],
     out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick GPT2LMHeadModel to.")],
     allow_partial: Annotated[bool, typer.Option(help="Export even if some norms are still real.")] = False,
-    overwrite: Annotated[bool, typer.Option()] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
     """Export a training checkpoint as a plain GPT-2 in the eps-trick format."""
     from lnfree.export import load_checkpoint, write_export
-    from lnfree.train import latest_checkpoint
+    from lnfree.train import latest_checkpoint, quiet_libraries
 
+    if not checkpoint.exists():
+        _fail(f"no such folder: {checkpoint}")
     if (checkpoint / "run_config.json").exists():
-        checkpoint = latest_checkpoint(checkpoint) or _fail(f"no checkpoint in {checkpoint}")
-    try:
+        checkpoint = latest_checkpoint(checkpoint) or _fail(f"no complete checkpoint in {checkpoint}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        _fail(f"{out} already exists and is not empty; pass --overwrite to replace it")
+    with _user_errors(), quiet_libraries():
         model, tokenizer, cfg = load_checkpoint(checkpoint)
         if cfg.removal.mode != "remove":
             _fail(f"{checkpoint} is a vanilla-control run: it has no removed norms to export")
         record = {"run_config": json.loads(cfg.model_dump_json()), "checkpoint": str(checkpoint)}
         write_export(model, tokenizer, out, record, allow_partial=allow_partial, overwrite=overwrite)
-    except ValueError as err:
-        _fail(str(err))
     typer.echo(f"exported {checkpoint} → {out}")
 
 
 @app.command()
 def verify(
     source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any GPT-2 folder / Hub id.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the JSON report.")] = Path("verify.json"),
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the report as JSON to this file. (default: none)")] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| accepted (fp32).")] = 1e-4,
     seed: Annotated[int, typer.Option(help="Seed of the sample tokens.")] = 0,
 ) -> None:
     """Compare every representation of a checkpoint with lnfree's exact form; exit 1 beyond tolerance."""
+    from lnfree.train import quiet_libraries
     from lnfree.verify import verify as run_verify, write_report
 
-    try:
+    with _user_errors(), quiet_libraries():
         report = run_verify(source, tolerance=tolerance, seed=seed)
-    except (ValueError, OSError) as err:
-        _fail(str(err))
-    write_report(report, out)
+        if out is not None:
+            write_report(report, out)
     typer.echo(report["repr"])
     for name, check in report["checks"].items():
         value = "n/a" if check["max_abs_diff"] is None else f"{check['max_abs_diff']:.2e}"
         typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}  {check['note']}")
-    typer.echo(f"report: {out}")
+    if out is not None:
+        typer.echo(f"report: {out}")
     if not report["ok"]:
         raise typer.Exit(1)
 
@@ -226,11 +283,11 @@ def push(
     export_dir: Annotated[Path, typer.Argument(help="An lnfree export folder.")],
     repo_id: Annotated[str, typer.Option("--repo-id", help="USER/NAME on the Hugging Face Hub.")],
     private: Annotated[bool, typer.Option(help="Create the repository as private.")] = False,
-    revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing).")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing). (default: main)")] = None,
     dry_run: Annotated[bool, typer.Option(help="Only write the folder that would be uploaded.")] = False,
-    dry_run_dir: Annotated[Optional[Path], typer.Option(help="Where --dry-run writes (default: EXPORT-hub).")] = None,
+    dry_run_dir: Annotated[Optional[Path], typer.Option(help="Where --dry-run writes. (default: EXPORT-hub)")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite a branch that already holds files.")] = False,
-    eval_report: Annotated[Optional[list[Path]], typer.Option("--eval", help="An `lnfree eval` output folder or summary.json to put in the card's model-index (repeatable).")] = None,
+    eval_report: Annotated[Optional[list[Path]], typer.Option("--eval", help="An `lnfree eval` output folder or summary.json to put in the card's model-index (repeatable). (default: none)")] = None,
 ) -> None:
     """Verify an export and publish it with a model card (token from `hf auth login` or HF_TOKEN)."""
     from lnfree.hub import push as run_push
@@ -270,41 +327,43 @@ class _LabelsCommand(typer.core.TyperCommand):
 def eval_(
     models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, GPT-2 folders or Hub ids.")],
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
-    labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models.")] = None,
+    labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models. (default: from the model names)")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
-    n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences (default: the dataset preset's).", min=1)] = None,
-    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: the preset's, else the models' n_positions).", min=2)] = None,
-    batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences. (default: the dataset preset's)", min=1)] = None,
+    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence. (default: the preset's, else the models' n_positions)", min=2)] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.", min=1)] = 8,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, …")] = "auto",
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (eps-trick files overflow fp16).")] = "fp32",
     form: Annotated[str, typer.Option(help="hf: lnfree's exact fixed-scale form; folded: LN-free weights folded; plain: the file as transformers loads it.")] = "hf",
     threshold: Annotated[float, typer.Option(help="List tokens whose CE (nats) exceeds this.")] = 50.0,
     max_outliers: Annotated[int, typer.Option(help="How many of them to list per model (all are counted).")] = 50,
-    reference: Annotated[Optional[str], typer.Option(help="Label to compute Δ against (default: 'vanilla', else the best model).")] = None,
-    pairwise: Annotated[Optional[bool], typer.Option("--pairwise/--no-pairwise", help="JSD and paired ΔCE between models (default: when they share a tokenizer).")] = None,
+    reference: Annotated[Optional[str], typer.Option(help="Label to compute Δ against. (default: 'vanilla', else the best model)")] = None,
+    pairwise: Annotated[Optional[bool], typer.Option("--pairwise/--no-pairwise", help="JSD and paired ΔCE between models. (default: when they share a tokenizer)")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap CIs.")] = 0,
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples (over sequences).", min=1)] = 1000,
-    split: Annotated[Optional[str], typer.Option(help="Dataset split (Hub ids, save_to_disk folders).")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="Dataset revision (Hub ids).")] = None,
+    split: Annotated[Optional[str], typer.Option(help="Dataset split (Hub ids, save_to_disk folders). (default: the preset's, else train)")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Dataset revision (Hub ids). (default: the preset's, else the latest)")] = None,
     text_field: Annotated[str, typer.Option(help="Text column of a dataset without input_ids.")] = "text",
-    cache_dir: Annotated[Optional[str], typer.Option(help="Token cache (default ~/.cache/lnfree/eval).")] = None,
-    save_tokens: Annotated[bool, typer.Option("--save-tokens", help="Also write every per-token CE/entropy/JSD (tokens.npz).")] = False,
-    hellaswag: Annotated[bool, typer.Option("--hellaswag", help="Also run HellaSwag (needs `pip install lm-eval`).")] = False,
-    hellaswag_limit: Annotated[Optional[int], typer.Option(help="Only the first N HellaSwag items.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    cache_dir: Annotated[Optional[str], typer.Option(help="Token cache. (default: ~/.cache/lnfree/eval)")] = None,
+    save_tokens: Annotated[bool, typer.Option("--save-tokens", help="Also write every per-token CE/entropy/JSD (tokens.npz). (default: off)")] = False,
+    hellaswag: Annotated[bool, typer.Option("--hellaswag", help="Also run HellaSwag (needs `pip install lm-eval`). (default: off)")] = False,
+    hellaswag_limit: Annotated[Optional[int], typer.Option(help="Only the first N HellaSwag items. (default: all)")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")] = True,
 ) -> None:
     """Per-token cross-entropy of one or more models on identical tokens, compared (see README: Evaluation)."""
     from lnfree.evaluate import EvalError, evaluate, markdown, write_report
+    from lnfree.train import quiet_libraries
 
     names = [x.strip() for item in labels or [] for x in item.split(",") if x.strip()] or None
     try:
-        report = evaluate(
-            models, dataset, labels=names, form=form, dtype=dtype, device=device, batch_size=batch_size,
-            n_sequences=n_sequences, context=context, split=split, revision=revision, text_field=text_field,
-            cache_dir=cache_dir, progress=progress, benchmarks=["hellaswag"] if hellaswag else [],
-            benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
-            pairwise=pairwise, seed=seed, n_resamples=bootstrap,
-        )
+        with quiet_libraries():
+            report = evaluate(
+                models, dataset, labels=names, form=form, dtype=dtype, device=device, batch_size=batch_size,
+                n_sequences=n_sequences, context=context, split=split, revision=revision, text_field=text_field,
+                cache_dir=cache_dir, progress=progress, benchmarks=["hellaswag"] if hellaswag else [],
+                benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
+                pairwise=pairwise, seed=seed, n_resamples=bootstrap,
+            )
     except (EvalError, ValueError, OSError) as err:
         _fail(str(err))
     write_report(report, out, save_tokens=save_tokens)

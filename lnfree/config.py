@@ -8,9 +8,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lnfree.schedule import Schedule
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be read or does not validate (a one-line message)."""
 
 
 class _Strict(BaseModel):
@@ -21,6 +25,9 @@ class DataConfig(_Strict):
     """Where the fine-tuning tokens come from and how held-out data is made."""
 
     source: str = Field("tiny", description="'tiny', a Hub dataset id, or a local file/folder")
+    document_separator: str | None = Field(
+        None, description="split a single .txt file into documents at this exact text (e.g. '\\n\\n'); default: one document"
+    )
     revision: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -29,7 +36,8 @@ class DataConfig(_Strict):
     context_length: int | None = Field(None, ge=2, description="default: the model's n_positions")
     max_documents: int | None = Field(None, ge=2, description="cap on documents read (quick runs)")
     eval_sequences: int = Field(64, ge=1, description="held-out sequences used for CE")
-    num_proc: int = Field(1, ge=1)
+    min_held_out_tokens: int = Field(4096, ge=0, description="warn when the held-out CE scores fewer tokens")
+    num_proc: int = Field(1, ge=1, description="tokenising processes (capped by the available cores)")
     cache_dir: str | None = Field(None, description="default: ~/.cache/lnfree/data")
 
 
@@ -42,7 +50,11 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(25, ge=0)
     cosine_steps: int | None = Field(None, ge=1, description="length of the cosine; default max_steps")
     tokens_per_step: int = Field(524_288, ge=1, description="reached by gradient accumulation")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per device per forward")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per device per forward; default: the largest that divides the step, "
+        "up to max_micro_batch_size"
+    )
+    max_micro_batch_size: int = Field(8, ge=1, description="upper bound of the automatic micro-batch (memory)")
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
@@ -50,7 +62,10 @@ class TrainConfig(_Strict):
     sigma_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum per `sigma_momentum_sequences`")
     sigma_momentum_sequences: int = Field(32, ge=1)
     sigma_init_batches: int = Field(8, ge=1, description="micro-batches in the initial σ measurement")
-    dropout: float | None = Field(0.0, ge=0, le=1, description="None keeps the model's own dropout")
+    dropout: float | None = Field(
+        0.0, ge=0, le=1, description="every dropout probability during fine-tuning; None keeps the model's own "
+        "(P25 kept GPT-2's 0.1, as the GPT-2 presets do)"
+    )
     seed: int = 0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     gradient_checkpointing: bool = False
@@ -92,12 +107,28 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
+def _problem(error: dict) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "config"
+    got = error.get("input")
+    shown = "" if isinstance(got, (dict, list)) or error["type"] == "missing" else f" (got {got!r})"
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}{shown}"
+
+
+def validate_config(data: dict, where: str = "config") -> RunConfig:
+    """`RunConfig` from plain data; a `ConfigError` naming every bad field in one line."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(_problem(e) for e in err.errors(include_url=False))
+        raise ConfigError(f"invalid {where}: {problems}") from None
+
+
 def load_preset(name: str) -> RunConfig:
     """The shipped preset `name` (e.g. 'gpt2', 'gpt2-xl', 'tiny')."""
     path = resources.files("lnfree") / "presets" / f"{name}.toml"
     if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
-    return RunConfig.model_validate(tomllib.loads(path.read_text()))
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
+    return validate_config(tomllib.loads(path.read_text()), f"preset {name!r}")
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -106,8 +137,11 @@ def load_config(path: str | Path) -> RunConfig:
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    return RunConfig.model_validate(data)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except ValueError as err:  # JSONDecodeError and TOMLDecodeError
+        raise ConfigError(f"cannot parse {path}: {err}") from None
+    return validate_config(data, str(path))
 
 
 def _parse_value(raw: str) -> Any:
@@ -128,7 +162,7 @@ def with_overrides(config: RunConfig, overrides: dict[str, Any] | list[str]) -> 
         for item in overrides:
             key, sep, raw = item.partition("=")
             if not sep:
-                raise ValueError(f"override {item!r} is not of the form key=value")
+                raise ConfigError(f"override {item!r} is not of the form key=value")
             pairs[key.strip()] = _parse_value(raw)
         overrides = pairs
     data = config.model_dump()
@@ -137,9 +171,9 @@ def with_overrides(config: RunConfig, overrides: dict[str, Any] | list[str]) -> 
         *parents, leaf = key.split(".")
         for part in parents:
             if not isinstance(node.get(part), dict):
-                raise ValueError(f"unknown config key {key!r}")
+                raise ConfigError(f"unknown config key {key!r}")
             node = node[part]
         if leaf not in node:
-            raise ValueError(f"unknown config key {key!r}")
+            raise ConfigError(f"unknown config key {key!r}")
         node[leaf] = value
-    return RunConfig.model_validate(data)
+    return validate_config(data)

@@ -2,8 +2,8 @@
 
 Sources (``DataConfig.source``):
 - ``tiny``: the synthetic corpus of the bundled tiny model (held-out text from its own seed);
-- a local ``.txt`` file (documents separated by blank lines), a folder of ``.txt`` files (one
-  document each), a ``.jsonl`` file (one document per line, in ``text_field``), a ``.parquet``
+- a local ``.txt`` file (one document, or several split at ``document_separator``), a folder of
+  ``.txt`` files (one document each), a ``.jsonl`` file (one document per line, in ``text_field``), a ``.parquet``
   file, or a folder written by ``datasets.Dataset.save_to_disk``;
 - a pre-tokenised stream: a ``.npy`` array of token ids (EOT already in place, held-out tokens
   taken from the end), or any dataset with an ``input_ids`` column (rows concatenated as-is);
@@ -12,13 +12,15 @@ Sources (``DataConfig.source``):
 Text is split into train/held-out documents with ``train_test_split(test_size=val_fraction,
 seed=val_seed)`` (the nanoGPT split for OpenWebText), tokenised, joined with the EOT token
 after every document (EOT stays a prediction target) and cached as flat ``uint16``/``uint32``
-token files keyed by the tokenizer and the source.
+token files keyed by the tokenizer and the source. A source with a single document (one ``.txt``
+file) is split by characters instead: its last ``val_fraction``, cut at a line break, is held out.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,11 @@ import torch
 
 from lnfree.config import DataConfig
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+#: Fewer tokens per EOT than this on average is warned about (documents split too finely?).
+FREQUENT_EOT = 100
+
+log = logging.getLogger("lnfree")
 
 
 class DataError(ValueError):
@@ -71,10 +77,30 @@ def _text_datasets(config: DataConfig):
             raise DataError(f"could not load dataset {config.source!r} (split {config.split!r}): {err}") from err
     if config.max_documents is not None:
         dataset = dataset.select(range(min(config.max_documents, len(dataset))))
+    if len(dataset) == 1 and "input_ids" not in dataset.column_names and config.text_field in dataset.column_names:
+        return _split_one_document(dataset[0][config.text_field], config)
     if len(dataset) < 2:
         raise DataError(f"data source {config.source!r} holds fewer than two documents")
     split = dataset.train_test_split(test_size=config.val_fraction, seed=config.val_seed, shuffle=True)
     return split["train"], split["test"]
+
+
+def _split_one_document(text: str, config: DataConfig):
+    """(train, held-out) parts of a single document: the last `val_fraction` of its characters."""
+    import datasets
+
+    cut = int(len(text) * (1 - config.val_fraction))
+    line_break = text.rfind("\n", 0, cut)
+    cut = line_break + 1 if line_break > 0 else cut
+    if not text[:cut].strip() or not text[cut:].strip():
+        raise DataError(f"data source {config.source!r} is too short to hold out {config.val_fraction:g} of it")
+    column = config.text_field
+    return datasets.Dataset.from_dict({column: [text[:cut]]}), datasets.Dataset.from_dict({column: [text[cut:]]})
+
+
+def available_cores() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _local_dataset(path: Path, config: DataConfig):
@@ -90,8 +116,9 @@ def _local_dataset(path: Path, config: DataConfig):
                 raise DataError(f"no .txt files in {path}")
             return datasets.Dataset.from_dict({"text": [f.read_text() for f in files]})
         if path.suffix == ".txt":
-            docs = [d.strip() for d in path.read_text().split("\n\n") if d.strip()]
-            return datasets.Dataset.from_dict({"text": docs})
+            text = path.read_text()
+            docs = text.split(config.document_separator) if config.document_separator else [text]
+            return datasets.Dataset.from_dict({config.text_field: [d.strip() for d in docs if d.strip()]})
         if path.suffix in {".jsonl", ".json"}:
             return datasets.load_dataset("json", data_files=str(path), split="train")
         if path.suffix == ".parquet":
@@ -103,8 +130,8 @@ def _local_dataset(path: Path, config: DataConfig):
     raise DataError(f"unsupported data file {path} (use .txt, .jsonl, .parquet, .npy or a dataset folder)")
 
 
-def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, dtype) -> int:
-    """Tokenise `dataset` into the flat token file `out`; returns the token count."""
+def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, dtype) -> dict:
+    """Tokenise `dataset` into the flat token file `out`; returns its token, document and EOT counts."""
     if "input_ids" in dataset.column_names:
         ids = dataset.map(lambda batch: {"n": [len(x) for x in batch["input_ids"]]}, batched=True, desc="counting")
     else:
@@ -115,22 +142,24 @@ def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, d
             encoded = [tokenizer(t, verbose=False)["input_ids"] + [eot] for t in batch[config.text_field]]
             return {"input_ids": encoded, "n": [len(x) for x in encoded]}
 
+        processes = min(config.num_proc, available_cores())
         ids = dataset.map(
-            encode, batched=True, num_proc=config.num_proc if config.num_proc > 1 else None,
+            encode, batched=True, num_proc=processes if processes > 1 else None,
             remove_columns=dataset.column_names, desc="tokenising",
         )
     total = int(np.sum(ids["n"], dtype=np.int64))
     tmp = out.with_suffix(".tmp")
     stream = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(total, 1),))
-    position = 0
+    position = eots = 0
     for batch in ids.iter(batch_size=1024):
         flat = np.fromiter((t for row in batch["input_ids"] for t in row), dtype=np.int64)
         stream[position : position + len(flat)] = flat
         position += len(flat)
+        eots += int(np.count_nonzero(flat == eot))
     stream.flush()
     del stream
     os.replace(tmp, out)
-    return total
+    return {"tokens": total, "documents": len(dataset), "eot": eots}
 
 
 @dataclass
@@ -141,10 +170,15 @@ class TokenData:
     held_out: np.ndarray  # (n_held_out, context)
     eot_token_id: int
     description: str
+    stats: dict  # per split: tokens, documents and EOT tokens (documents None for a token stream)
 
     @property
     def context_length(self) -> int:
         return self.train.shape[1]
+
+    def scored_tokens(self, n_sequences: int) -> int:
+        """How many next-token predictions a held-out CE over `n_sequences` sequences averages."""
+        return min(n_sequences, len(self.held_out)) * (self.context_length - 1)
 
     def eval_batch(self, n_sequences: int) -> torch.Tensor:
         """The first `n_sequences` held-out sequences (a deterministic choice)."""
@@ -172,14 +206,13 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
         if stream.ndim != 1 or stream.max(initial=0) >= vocab_size:
             raise DataError(f"{path} must be a 1-D array of token ids below the vocabulary size {vocab_size}")
         cut = len(stream) - max(context_length, int(len(stream) * config.val_fraction))
-        return TokenData(
-            _as_sequences(stream[:cut], context_length, "train"),
-            _as_sequences(stream[cut:], context_length, "held-out"),
-            eot, f"{path} (pre-tokenised)",
-        )
+        stats = {name: {"tokens": len(part), "documents": None, "eot": int(np.count_nonzero(part == eot))}
+                 for name, part in (("train", stream[:cut]), ("held_out", stream[cut:]))}
+        return _token_data(stream[:cut], stream[cut:], context_length, eot, f"{path} (pre-tokenised)", stats)
     key_fields = {
         "format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
-        **config.model_dump(include={"source", "revision", "split", "text_field", "val_fraction", "val_seed", "max_documents"}),
+        **config.model_dump(include={"source", "document_separator", "revision", "split", "text_field", "val_fraction", "val_seed",
+                                     "max_documents"}),
     }
     if Path(config.source).expanduser().exists():
         stat = Path(config.source).expanduser().stat()
@@ -190,23 +223,38 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
     if not meta_path.exists():
         train_docs, held_out_docs = _text_datasets(config)
         folder.mkdir(parents=True, exist_ok=True)
-        counts = {
+        stats = {
             name: _write_tokens(docs, tokenizer, eot, config, folder / f"{name}.bin", dtype)
             for name, docs in (("train", train_docs), ("held_out", held_out_docs))
         }
-        meta_path.write_text(json.dumps({"key": key_fields, "tokens": counts, "dtype": np.dtype(dtype).name}, indent=1))
+        meta_path.write_text(json.dumps({"key": key_fields, "stats": stats, "dtype": np.dtype(dtype).name}, indent=1))
     meta = json.loads(meta_path.read_text())
     streams = {
-        name: np.memmap(folder / f"{name}.bin", dtype=meta["dtype"], mode="r", shape=(max(count, 1),))[:count]
-        for name, count in meta["tokens"].items()
+        name: np.memmap(folder / f"{name}.bin", dtype=meta["dtype"], mode="r", shape=(max(s["tokens"], 1),))[: s["tokens"]]
+        for name, s in meta["stats"].items()
     }
     if int(streams["train"].max(initial=0)) >= vocab_size:
         raise DataError(f"token ids reach {int(streams['train'].max())}, beyond the model's vocabulary ({vocab_size})")
-    return TokenData(
-        _as_sequences(streams["train"], context_length, "train"),
-        _as_sequences(streams["held_out"], context_length, "held-out"),
-        eot, f"{config.source} ({meta['tokens']['train']:,} train / {meta['tokens']['held_out']:,} held-out tokens)",
-    )
+    return _token_data(streams["train"], streams["held_out"], context_length, eot, config.source, meta["stats"])
+
+
+def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int, source: str, stats: dict) -> TokenData:
+    """Cut both streams into sequences, describe them and warn when EOT is unusually frequent."""
+    parts = []
+    for name, s in stats.items():
+        documents = "" if s["documents"] is None else f"{s['documents']:,} documents, "
+        parts.append(f"{name.replace('_', '-')}: {documents}{s['tokens']:,} tokens, {s['eot']:,} EOT")
+    description = f"{source} ({'; '.join(parts)})"
+    log.info("data: %s", description)
+    eots = stats["train"]["eot"]
+    if eots and stats["train"]["tokens"] / eots < FREQUENT_EOT:
+        log.warning(
+            "the training data has an EOT every %.0f tokens on average; if its documents are longer, they were "
+            "split too finely (a .txt file is one document unless data.document_separator is set)",
+            stats["train"]["tokens"] / eots,
+        )
+    return TokenData(_as_sequences(train, context, "train"), _as_sequences(held_out, context, "held-out"), eot,
+                     description, stats)
 
 
 class StepBatches:

@@ -18,7 +18,7 @@ import copy
 import json
 import math
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -189,7 +189,8 @@ def write_export(
     eps = choose_eps(peak)
     plain = to_eps_trick(model, eps=eps, allow_partial=allow_partial)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp = out.parent / f".{out.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the export
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

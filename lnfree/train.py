@@ -4,7 +4,9 @@ One optimiser step: apply the schedule's events for this step, run the micro-bat
 (cross-entropy + auxiliary loss at the ln_f input, bf16 autocast over fp32 weights on GPU),
 clip, step AdamW at the warm-up/cosine learning rate, then fold the gathered per-token std
 statistics into every real norm's σ (pooled over ranks). Data, learning rate and events are
-pure functions of the step, so a run resumed from any checkpoint continues exactly.
+pure functions of the step, so a run resumed from any checkpoint continues exactly. Checkpoints
+are written to a temporary folder and renamed when complete, so a kill loses at most the steps
+since the last one.
 Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate launch``: DDP, or FSDP
 through an accelerate config).
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -27,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lnfree import surgery
-from lnfree.config import RunConfig
+from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import StepBatches, TokenData, prepare_data
 from lnfree.models import load_base
 from lnfree.arch import architecture
@@ -36,6 +40,12 @@ from lnfree.schedule import PER_LAYER_KINDS, Event, derive_schedule
 RUN_CONFIG = "run_config.json"
 CHECKPOINTS = "checkpoints"
 TOKENIZER = "tokenizer"
+TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint folder without it is incomplete
+PARTIAL = ".partial-"
+#: What lnfree writes in a run folder ("lnfree": the trackers' logs); --overwrite removes only these.
+RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, "log.jsonl", "start.json", "summary.json", "export", "control", "lnfree")
+
+logger = logging.getLogger("lnfree")
 
 
 class RunError(ValueError):
@@ -53,6 +63,9 @@ class RunResult:
     events: list[dict] = field(default_factory=list)
     checkpoint: Path | None = None
     model: nn.Module | None = None
+    held_out_tokens: int = 0  # next-token predictions behind each held-out CE
+    seconds: float = 0.0  # training wall time over every process of the run (resumes included)
+    already_finished: bool = False  # `resume` found the run finished and changed nothing
     probe: torch.Tensor | None = None  # held-out input ids, for measurements at export
 
 
@@ -77,6 +90,27 @@ def resolve_run(
     if removal.mode == "vanilla":
         return config, []
     return config, schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
+
+
+def micro_batches(train: TrainConfig, context: int, world: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) that make exactly `tokens_per_step` per optimiser step.
+
+    An unset `micro_batch_size` is the largest divisor of the step's sequences per process up to
+    `max_micro_batch_size`; a set one that does not divide them is an error.
+    """
+    per_process, rest = divmod(train.tokens_per_step, context * world)
+    if rest or per_process < 1:
+        raise RunError(f"tokens_per_step {train.tokens_per_step} must be a multiple of processes × context "
+                       f"= {world} × {context}")
+    micro = train.micro_batch_size
+    if micro is None:
+        micro = max(m for m in range(1, min(per_process, train.max_micro_batch_size) + 1) if per_process % m == 0)
+    elif per_process % micro:
+        raise RunError(
+            f"tokens_per_step {train.tokens_per_step} must be a multiple of micro_batch_size × processes × context "
+            f"= {micro} × {world} × {context} (leave micro_batch_size unset to have one chosen)"
+        )
+    return micro, per_process // micro
 
 
 def learning_rate(step: int, config: RunConfig) -> float:
@@ -156,10 +190,75 @@ def _autocast_factory(config: RunConfig, device: torch.device):
     return (lambda: torch.autocast(device.type, dtype=dtype)), choice
 
 
+def checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) checkpoint folders of a run, oldest first.
+
+    Incomplete: interrupted while being written (a temporary folder, or an older lnfree's
+    `step_N` folder without its trainer state).
+    """
+    folder = Path(output_dir) / CHECKPOINTS
+    steps = sorted((p for p in folder.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    complete = [p for p in steps if (p / TRAINER_STATE).is_file()]
+    return complete, [p for p in steps if p not in complete] + sorted(folder.glob(PARTIAL + "*"))
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The newest `checkpoints/step_N` folder of a run, if any."""
-    folders = sorted((output_dir / CHECKPOINTS).glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    return folders[-1] if folders else None
+    """The newest complete `checkpoints/step_N` folder of a run, if any."""
+    complete, _ = checkpoints(output_dir)
+    return complete[-1] if complete else None
+
+
+def _resume_checkpoint(out: Path) -> Path:
+    complete, incomplete = checkpoints(out)
+    if not complete:
+        raise RunError(f"no complete checkpoint to resume in {out / CHECKPOINTS}; start again with --overwrite")
+    for folder in incomplete:
+        logger.warning("ignoring the incomplete checkpoint %s (interrupted while being written)", folder)
+    logger.info("resuming from %s", complete[-1])
+    return complete[-1]
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the log records of work after `step`, which the resumed run repeats (and a half-written line)."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        # A removal at step s happens before step s trains; loss/eval records carry the steps done.
+        if record.get("step", 0) < step or (record.get("step") == step and record.get("event") != "remove"):
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _event_record(event: Event, model: nn.Module) -> dict:
+    record = {"event": "remove", "step": event.step, "slot": event.slot}
+    if event.kind not in surgery.SPECIALS:
+        record["sigma"] = float(surgery.scale_states(model)[event.slot].sigma)  # frozen from this step on
+    return record
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """Silence what transformers and accelerate print that is not lnfree's (loading bars, notices, warnings)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    accelerate_log = logging.getLogger("accelerate")
+    level = accelerate_log.level
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    accelerate_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        accelerate_log.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Path:
@@ -175,26 +274,48 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
             what = "this same run" if same else "a different run"
             raise RunError(f"{out} already holds {what}; pass --resume to continue it or --overwrite to replace it")
         if overwrite:
-            shutil.rmtree(out)
+            for name in RUN_OUTPUTS:  # never what the user put beside them (e.g. an eval/ folder)
+                path = out / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            for partial in out.glob(".export-*"):
+                shutil.rmtree(partial)
     elif resume:
         raise RunError(f"nothing to resume in {out}")
     elif out.exists() and any(out.iterdir()) and not overwrite:
         raise RunError(f"{out} is not empty and holds no lnfree run; choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))
+    if not resume:
+        (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))
     return out
 
 
-def save_checkpoint(accelerator: Accelerator, model: nn.Module, out: Path, step: int, model_config) -> Path:
-    """Model (with removal buffers), optimiser and RNG states, after `step` completed steps."""
+def save_checkpoint(
+    accelerator: Accelerator, model: nn.Module, out: Path, step: int, model_config, extra: dict | None = None
+) -> Path:
+    """Model (with removal buffers), optimiser and RNG states after `step` completed steps, plus `extra`.
+
+    Written into a temporary folder that is renamed to `checkpoints/step_N` once complete.
+    """
     folder = out / CHECKPOINTS / f"step_{step:06d}"
-    accelerator.save_state(str(folder))
+    partial = folder.with_name(PARTIAL + folder.name)
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
     if accelerator.is_main_process:
-        model_config.save_pretrained(folder)
-        state = {"step": step}
+        model_config.save_pretrained(partial)
+        state = {"step": step, **(extra or {})}
         if surgery.is_installed(model):
             state["removal_state"] = surgery.removal_state(model)
-        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        (partial / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if folder.exists():  # an incomplete folder of an older lnfree, or a re-saved step
+            shutil.rmtree(folder)
+        partial.rename(folder)
     accelerator.wait_for_everyone()
     return folder
 
@@ -206,8 +327,14 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     """Fine-tune `config.model` with LayerNorm removal (or the vanilla control) and return the result.
 
     Everything that can be checked (model, tokenizer, data, schedule) is checked before the
-    output folder is touched.
+    output folder is touched. `resume` continues from the newest complete checkpoint; resuming a
+    finished run changes nothing and returns it with `already_finished`.
     """
+    with quiet_libraries():
+        return _run(config, resume=resume, overwrite=overwrite, progress=progress)
+
+
+def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) -> RunResult:
     accelerator = Accelerator(
         cpu=not torch.accelerator.is_available(),  # lets torchrun start gloo processes on CPU-only hosts
         mixed_precision="no",  # autocast is applied explicitly below; weights stay fp32
@@ -227,18 +354,19 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     if arch.n_positions is not None and context > arch.n_positions:
         raise RunError(f"context_length {context} exceeds the model's n_positions {arch.n_positions}")
     world = accelerator.num_processes
-    sequences = train.tokens_per_step // context
-    accumulation = sequences // (train.micro_batch_size * world)
-    if accumulation < 1 or accumulation * train.micro_batch_size * world * context != train.tokens_per_step:
-        raise RunError(
-            f"tokens_per_step {train.tokens_per_step} must be a multiple of micro_batch_size × processes × context "
-            f"= {train.micro_batch_size} × {world} × {context}"
-        )
+    micro_batch, accumulation = micro_batches(train, context, world)
     with accelerator.main_process_first():
         data = prepare_data(config.data, tokenizer, context, model.config.vocab_size)
+    scored = data.scored_tokens(config.data.eval_sequences)
+    if scored < config.data.min_held_out_tokens and accelerator.is_main_process:
+        logger.warning(
+            "the held-out CE averages only %s tokens (data.min_held_out_tokens = %s): it is noisy; raise "
+            "data.val_fraction or data.eval_sequences", f"{scored:,}", f"{config.data.min_held_out_tokens:,}",
+        )
     if accelerator.is_main_process:
         _prepare_output_dir(config, resume, overwrite)
-        tokenizer.save_pretrained(Path(config.output_dir) / TOKENIZER)
+        if not resume:
+            tokenizer.save_pretrained(Path(config.output_dir) / TOKENIZER)
     accelerator.wait_for_everyone()
     out = Path(config.output_dir)
 
@@ -256,7 +384,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(accelerator.device)
     autocast, precision = _autocast_factory(config, accelerator.device)
-    batches = StepBatches(data.train, train.micro_batch_size, accumulation, world, train.seed)
+    batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
     momentum = train.sigma_momentum ** (batches.sequences_per_step / train.sigma_momentum_sequences)
     log_path = out / "log.jsonl"
 
@@ -270,36 +398,42 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     if train.report_to:
         accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
     if not resume:  # measured on the plain module, before any DDP/FSDP wrapping
-        ce_start = held_out_ce(model, data, config.data.eval_sequences, train.micro_batch_size, autocast).item()
+        ce_start = held_out_ce(model, data, config.data.eval_sequences, micro_batch, autocast).item()
         if removing:
             init = (batches.get(0, i % accumulation, accelerator.process_index).to(accelerator.device)
                     for i in range(train.sigma_init_batches))
             surgery.initialise_sigmas(model, init)
         if accelerator.is_main_process:
             (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
-        log({"event": "start", "step": 0, "held_out_ce": ce_start, "mode": config.removal.mode, "precision": precision,
-             "processes": world, "accumulation": accumulation, "data": data.description,
-             "sigma_momentum_per_step": momentum})
+        log({"event": "start", "step": 0, "held_out_ce": ce_start, "held_out_tokens": scored, "mode": config.removal.mode,
+             "precision": precision, "processes": world, "micro_batch_size": micro_batch, "accumulation": accumulation,
+             "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum})
 
     optimizer = make_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(model)
-    eval_ce = lambda: held_out_ce(model, data, config.data.eval_sequences, train.micro_batch_size, autocast)  # noqa: E731
-    start_step = 0
+    eval_ce = lambda: held_out_ce(model, data, config.data.eval_sequences, micro_batch, autocast)  # noqa: E731
+    start_step, seconds_before = 0, 0.0
     if resume:
-        checkpoint = latest_checkpoint(out)
-        if checkpoint is None:
-            raise RunError(f"no checkpoint to resume in {out / CHECKPOINTS}")
+        checkpoint = _resume_checkpoint(out)
         accelerator.load_state(str(checkpoint))
-        start_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+        start_step, seconds_before = state["step"], state.get("seconds", 0.0)
         ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
+        if start_step >= train.max_steps:
+            logger.info("%s finished at step %d already: nothing to resume", out, start_step)
+            ce_end = state["held_out_ce"] if "held_out_ce" in state else eval_ce().item()  # older runs: measure
+            records = [_event_record(e, bare) for e in events]
+            return RunResult(out, config, ce_start, ce_end, records, checkpoint, bare, scored, seconds_before,
+                             already_finished=True)
+        if accelerator.is_main_process:
+            _truncate_log(log_path, start_step)
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
     eps = arch.eps
     events_by_step: dict[int, list[Event]] = {}
     for event in events:
         events_by_step.setdefault(event.step, []).append(event)
-    event_log: list[dict] = []
     pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, grad_norm), read once per log interval
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
@@ -308,11 +442,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     for step in bar:
         for event in events_by_step.get(step, []):
             surgery.apply_event(bare, event)
-            record = {"event": "remove", "step": step, "slot": event.slot}
-            if event.kind not in surgery.SPECIALS:
-                record["sigma"] = float(surgery.scale_states(bare)[event.slot].sigma)
-            event_log.append(record)
-            log(record)
+            log(_event_record(event, bare))
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -340,19 +470,23 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             pending.clear()
             record = dict(zip(("loss", "ce", "aux", "grad_norm"), values))
             record.update(step=done, lr=lr, tokens=done * train.tokens_per_step,
-                          seconds=round(time.perf_counter() - started, 2))
+                          seconds=round(seconds_before + time.perf_counter() - started, 2))
             log(record)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            log({"event": "eval", "step": done, "held_out_ce": eval_ce().item()})
+            log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored})
         if train.save_every and done % train.save_every == 0 and done != train.max_steps:
-            save_checkpoint(accelerator, bare, out, done, bare.config)
+            save_checkpoint(accelerator, bare, out, done, bare.config,
+                            {"seconds": round(seconds_before + time.perf_counter() - started, 2)})
     lnf_input.handle.remove()
 
     ce_end = eval_ce().item()
-    log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end})
-    checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config)
+    seconds = round(seconds_before + time.perf_counter() - started, 2)
+    log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": scored, "seconds": seconds})
+    checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config,
+                                 {"seconds": seconds, "held_out_ce": ce_end})
     if train.report_to:
         accelerator.end_training()
+    records = [_event_record(e, bare) for e in events]  # from the schedule, whichever process applied them
     probe = data.eval_batch(min(config.data.eval_sequences, 16))
-    return RunResult(out, config, ce_start, ce_end, event_log, checkpoint, bare, probe)
+    return RunResult(out, config, ce_start, ce_end, records, checkpoint, bare, scored, seconds, probe=probe)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import time
 
+import pytest
 import torch
+import typer.main
 from transformers import GPT2LMHeadModel
 from typer.testing import CliRunner
 
+from conftest import quick_run_config
+
 from lnfree.cli import app
+from lnfree.config import load_preset
 from lnfree.train import run
 
 runner = CliRunner()
@@ -62,3 +70,122 @@ def test_export_command_writes_a_loadable_model_and_refuses_partial_runs(run_con
     assert result.exit_code == 2 and "still real" in result.output and not (tmp_path / "partial").exists()
     result = runner.invoke(app, ["export", str(early), str(tmp_path / "partial"), "--allow-partial"])
     assert result.exit_code == 0, result.output
+
+
+def test_every_option_has_help_and_shows_its_default():
+    checked = 0
+    for name, command in typer.main.get_command(app).commands.items():
+        if name == "analyze":  # lnfree/analysis/cli.py
+            continue
+        for param in command.params:
+            if param.param_type_name != "option" or param.name == "help" or param.required:
+                continue
+            checked += 1
+            assert param.help, f"{name} {param.opts[0]} has no help"
+            shown = param.show_default and param.default is not None and (not param.is_flag or param.secondary_opts)
+            assert shown or "(default: " in param.help, f"{name} {param.opts[0]} does not show its default"
+    assert checked > 40
+
+
+def test_gpt2_presets_fine_tune_as_p25_did():
+    for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        train = load_preset(name).train
+        assert train.dropout == 0.1, name  # GPT-2's dropout, active in train mode
+        per_micro_batch = {"gpt2-medium": 16}.get(name, 32)  # P25: momentum 0.9 per micro-batch (medium: 16)
+        assert train.sigma_momentum_sequences == per_micro_batch, name
+    assert load_preset("tiny").train.dropout == 0.0  # the committed tiny results stay reproducible
+
+
+def test_a_presets_micro_batch_bounds_the_automatic_one_when_the_user_changes_the_step():
+    from lnfree.cli import _adapt_micro_batch
+    from lnfree.config import with_overrides
+    from lnfree.train import micro_batches
+
+    xl = with_overrides(load_preset("gpt2-xl"), {"train.tokens_per_step": 12 * 1024})
+    adapted = _adapt_micro_batch(xl, {"train.tokens_per_step": 12 * 1024}, [])
+    assert micro_batches(adapted.train, 1024, 1) == (4, 3)  # the preset's 4 (memory) stays the bound
+    assert micro_batches(_adapt_micro_batch(xl, {}, ["train.tokens_per_step=12288"]).train, 1024, 1) == (4, 3)
+    small = with_overrides(load_preset("gpt2"), {"train.tokens_per_step": 4 * 1024})
+    assert micro_batches(_adapt_micro_batch(small, {"train.tokens_per_step": 4096}, []).train, 1024, 1) == (4, 1)
+    explicit = {"train.tokens_per_step": 4096, "train.micro_batch_size": 32}
+    assert _adapt_micro_batch(small, explicit, []).train.micro_batch_size == 32  # the user's own: kept (an error)
+
+
+def test_user_errors_are_one_line_without_links_or_tracebacks(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[train]\nmax_steps = 0\nlearning_rate = -1\n")
+    checks = [
+        (["remove", "--config", str(config)], "invalid"),
+        (["schedule", "--config", str(config), "--n-layer", "2"], "invalid"),
+        (["schedule", "--preset", "nope"], "unknown preset"),
+        (["remove", "--model", "/nonexistent", "--no-control"], "no such folder: /nonexistent"),
+        (["remove", "--model", "./typo", "--no-control"], "no such folder: ./typo"),
+        (["export", str(tmp_path / "missing-run"), str(tmp_path / "out")], "no such folder"),
+        (["remove", "--resume", "-o", str(tmp_path / "never-ran")], "nothing to resume"),
+    ]
+    for args, message in checks:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, result.output)
+        assert "pydantic.dev" not in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["remove", "--config", str(config)])
+    assert "train.max_steps: Input should be greater than or equal to 1 (got 0)" in result.output
+    assert "train.learning_rate: Input should be greater than 0" in result.output
+
+
+def test_unknown_hub_id_fails_fast_when_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    result = runner.invoke(app, ["remove", "--model", "gpt2-typo", "--no-control"])
+    assert result.exit_code == 2 and "HF_HUB_OFFLINE" in result.output and "gpt2-typo" in result.output
+    assert time.perf_counter() - started < 30  # not the ~44 s of retries (a generous bound, not a benchmark)
+
+
+def test_remove_adapts_the_micro_batch_resumes_a_finished_run_untouched_and_keeps_user_files(model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = ["remove", "--model", str(model_dir), "--data", "tiny", "-o", str(out), "--max-steps", "36",
+            "--tokens-per-step", "512", "--set", "data.max_documents=300", "--set", "data.context_length=64",
+            "--set", "data.eval_sequences=4", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--no-control"]
+    result = runner.invoke(app, args)  # the generic GPT-2 micro-batch (32) does not fit 8 sequences a step
+    assert result.exit_code == 0, result.output
+    assert "(on 252 tokens)" in result.output  # 4 held-out sequences × 63 predictions
+    assert "warning: the held-out CE averages only 252 tokens" in result.output
+    assert "Removed shared tensor" not in result.output and "Loading weights" not in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["removal_events"]) == 7 and summary["held_out_tokens"] == 252
+    start = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert start["micro_batch_size"] == 8 and start["accumulation"] == 1
+    written = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    result = runner.invoke(app, args + ["--resume"])
+    assert result.exit_code == 0, result.output
+    assert "finished already: nothing changed" in result.output and "ln_2: block 0" in result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == written
+    record = json.loads((out / "export" / "lnfree_removal.json").read_text())
+    assert len(record["events"]) == 7
+
+    mode = 0o777 & ~_umask()
+    assert stat.S_IMODE((out / "export").stat().st_mode) == mode  # not tempfile's 0700
+    (out / "eval").mkdir()
+    (out / "eval" / "mine.json").write_text("{}")
+    result = runner.invoke(app, ["export", str(out), str(out / "export")])
+    assert result.exit_code == 2 and "pass --overwrite" in result.output
+    result = runner.invoke(app, args + ["--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert (out / "eval" / "mine.json").read_text() == "{}"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_verify_writes_its_report_only_where_asked(tiny_ln_free_export, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["verify", str(tiny_ln_free_export), "--tolerance", "1e-2"])
+    assert result.exit_code == 0, result.output
+    assert list(tmp_path.iterdir()) == [] and "Loading weights" not in result.output
+    result = runner.invoke(app, ["verify", str(tiny_ln_free_export), "--tolerance", "1e-2", "--out", "report.json"])
+    assert result.exit_code == 0 and json.loads((tmp_path / "report.json").read_text())["ok"]

@@ -60,7 +60,8 @@ def test_txt_folder_txt_file_parquet_and_npy_sources(tokenizer, tmp_path):
     datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(tmp_path / "docs.parquet"))
     counts = set()
     for source in ("folder", "one.txt", "docs.parquet"):
-        data = prepare_data(config(tmp_path / source, tmp_path), tokenizer, 8, len(tokenizer))
+        separator = {"document_separator": "\n\n"} if source == "one.txt" else {}
+        data = prepare_data(config(tmp_path / source, tmp_path, **separator), tokenizer, 8, len(tokenizer))
         counts.add(data.train.size + data.held_out.size)
     assert len(counts) == 1  # the same documents, the same token count
     stream = np.arange(1000, dtype=np.uint16) % 50
@@ -68,6 +69,43 @@ def test_txt_folder_txt_file_parquet_and_npy_sources(tokenizer, tmp_path):
     data = prepare_data(config(tmp_path / "tokens.npy", tmp_path), tokenizer, 10, len(tokenizer))
     assert np.array_equal(data.train.reshape(-1), stream[: data.train.size])
     assert data.held_out.shape[1] == 10
+
+
+def test_a_txt_file_is_one_document_unless_a_separator_is_given(tokenizer, tmp_path):
+    (tmp_path / "work.txt").write_text("\n\n".join(DOCS * 5))
+    data = prepare_data(config(tmp_path / "work.txt", tmp_path), tokenizer, 8, len(tokenizer))
+    assert data.stats["train"]["documents"] == data.stats["held_out"]["documents"] == 1
+    assert data.stats["train"]["eot"] == data.stats["held_out"]["eot"] == 1
+    assert (data.train == tokenizer.eos_token_id).sum() <= 1  # only where the held-out part was cut off
+    assert data.stats["held_out"]["tokens"] == pytest.approx(0.1 * (data.stats["train"]["tokens"] + data.stats["held_out"]["tokens"]), rel=0.2)
+    split = prepare_data(config(tmp_path / "work.txt", tmp_path, document_separator="\n\n"), tokenizer, 8, len(tokenizer))
+    assert split.stats["train"]["documents"] + split.stats["held_out"]["documents"] == len(DOCS) * 5
+    assert "180 documents" in split.description and "EOT" in split.description
+
+
+def test_frequent_eot_is_warned_about(tokenizer, tmp_path, caplog):
+    (tmp_path / "short.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    (tmp_path / "long.jsonl").write_text("\n".join(json.dumps({"text": " ".join(DOCS[i:i + 20])}) for i in range(20)))
+    with caplog.at_level("INFO", logger="lnfree"):
+        prepare_data(config(tmp_path / "long.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("18 documents" in r.getMessage() for r in caplog.records)  # documents and EOT are logged
+    with caplog.at_level("INFO", logger="lnfree"):
+        prepare_data(config(tmp_path / "short.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    assert any(r.levelname == "WARNING" and "an EOT every 7 tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_tokenising_processes_are_capped_by_the_available_cores(tokenizer, tmp_path, monkeypatch):
+    import datasets
+
+    seen = []
+    original = datasets.Dataset.map
+    monkeypatch.setattr(datasets.Dataset, "map", lambda self, *a, **kw: seen.append(kw.get("num_proc")) or original(self, *a, **kw))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    prepare_data(config(tmp_path / "docs.jsonl", tmp_path, num_proc=8), tokenizer, 8, len(tokenizer))
+    assert seen and all(n is None for n in seen)
 
 
 def test_missing_or_bad_sources_are_clear_errors(tokenizer, tmp_path):

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import BertConfig
 
 from lnfree import surgery
-from lnfree.config import with_overrides
+from lnfree.config import TrainConfig, with_overrides
 from lnfree.data import DataError
 from lnfree.export import load_checkpoint
 from lnfree.load import load
 from lnfree.models import ModelError
-from lnfree.train import RunError, latest_checkpoint, run
+from lnfree.train import RunError, latest_checkpoint, micro_batches, run
 
 
 def records(path, after_resume=False):
@@ -118,6 +119,73 @@ def test_output_dir_holding_another_run_is_an_error(run_config):
     with pytest.raises(RunError, match="different config"):
         run(run_config(max_steps=13), resume=True, progress=False)
     assert (first.output_dir / "checkpoints" / "step_000012").exists()
+    (first.output_dir / "eval").mkdir()
+    (first.output_dir / "eval" / "summary.json").write_text("{}")
+    run(run_config(max_steps=13), overwrite=True, progress=False)
+    assert (first.output_dir / "eval" / "summary.json").read_text() == "{}"  # not the run's to delete
+    assert [c.name for c in (first.output_dir / "checkpoints").iterdir()] == ["step_000013"]
+
+
+def test_micro_batch_is_chosen_when_unset_and_only_a_contradiction_is_an_error():
+    assert micro_batches(TrainConfig(tokens_per_step=4096, max_micro_batch_size=32), 256, 1) == (16, 1)
+    assert micro_batches(TrainConfig(tokens_per_step=96 * 256, max_micro_batch_size=32), 256, 1) == (32, 3)
+    assert micro_batches(TrainConfig(tokens_per_step=12 * 256, max_micro_batch_size=8), 256, 1) == (6, 2)
+    assert micro_batches(TrainConfig(tokens_per_step=12 * 256, max_micro_batch_size=8), 256, 2) == (6, 1)
+    with pytest.raises(RunError, match="micro_batch_size × processes × context = 32 × 1 × 256"):
+        micro_batches(TrainConfig(tokens_per_step=4096, micro_batch_size=32), 256, 1)
+    with pytest.raises(RunError, match="multiple of processes × context = 1 × 256"):
+        micro_batches(TrainConfig(tokens_per_step=1000), 256, 1)
+
+
+def test_a_save_killed_midway_is_ignored_and_resume_continues_from_the_last_complete_checkpoint(
+    run_config, monkeypatch, caplog
+):
+    from accelerate import Accelerator
+
+    config = run_config(save_every=5)
+    out = Path(config.output_dir)
+    save_state = Accelerator.save_state
+
+    def killed_during_step_10(self, output_dir=None, **kwargs):
+        save_state(self, output_dir, **kwargs)
+        if "step_000010" in str(output_dir):
+            raise KeyboardInterrupt  # after the weights and optimiser, before the trainer state
+
+    monkeypatch.setattr(Accelerator, "save_state", killed_during_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        run(config, progress=False)
+    monkeypatch.undo()
+    assert latest_checkpoint(out).name == "step_000005"
+    legacy = out / "checkpoints" / "step_000008"  # an older lnfree's half-written folder: no optimizer.bin
+    legacy.mkdir()
+    shutil.copy(out / "checkpoints" / "step_000005" / "model.safetensors", legacy)
+
+    with caplog.at_level("INFO", logger="lnfree"):
+        resumed = run(config, resume=True, progress=False)
+    ignored = [r.getMessage() for r in caplog.records if "ignoring the incomplete checkpoint" in r.getMessage()]
+    assert len(ignored) == 2 and "step_000008" in ignored[0] and "step_000010" in ignored[1]
+    assert any(r.getMessage().endswith("step_000005") for r in caplog.records)
+    assert [c.name for c in sorted((out / "checkpoints").glob("step_*")) if c != legacy] == [
+        "step_000005", "step_000010", "step_000015", "step_000016"]
+
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, 17))  # nothing repeated
+    removals = [(r["step"], r["slot"]) for r in lines if r.get("event") == "remove"]
+    assert len(removals) == len(set(removals)) == len(resumed.events) == 7
+    assert resumed.events == [r for r in lines if r.get("event") == "remove"]
+    seconds = [r["seconds"] for r in lines if "loss" in r]
+    assert seconds == sorted(seconds) and resumed.seconds >= seconds[-1]  # one clock over the whole run
+
+
+def test_resuming_a_finished_run_changes_nothing(run_config):
+    first = run(run_config(max_steps=12), progress=False)
+    files = lambda: {p: p.read_bytes() for p in first.output_dir.rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    again = run(run_config(max_steps=12), resume=True, progress=False)
+    assert again.already_finished and not first.already_finished
+    assert again.events == first.events and len(first.events) == 7
+    assert again.held_out_ce_end == first.held_out_ce_end and again.seconds == first.seconds
+    assert files() == before
 
 
 def test_bf16_autocast_with_fp32_master_weights_and_checkpointing(run_config):

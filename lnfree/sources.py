@@ -1,0 +1,65 @@
+"""A quick look at a model source before loading it, so a typo fails at once with a message to act on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class SourceError(ValueError):
+    """A model source that is neither a local folder nor a reachable Hub model."""
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub must not be contacted (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(name, "").strip().lower() for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(flag in ("1", "true", "yes", "on") for flag in flags)
+
+
+def _looks_local(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in name or name.count("/") > 1:
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def check_model_source(name: str) -> None:
+    """Raise `SourceError` unless `name` is a model name ('tiny', 'smollm2-135m'), an existing path, a cached Hub model or one the Hub has.
+
+    Takes one short request at most: no retries while offline, none for a path that cannot be a
+    Hub id. A gated or private model passes (loading it reports missing access).
+    """
+    from lnfree.models import MODEL_NAMES
+
+    if name in MODEL_NAMES or Path(name).expanduser().exists():
+        return
+    if _looks_local(name):
+        raise SourceError(f"no such folder: {name}")
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if hub_offline():
+        raise SourceError(
+            f"{name!r} is no local folder and not in the Hugging Face cache, and the Hub is switched off "
+            "(HF_HUB_OFFLINE): download it first (`hf download ID`) or pass a local folder"
+        )
+    try:
+        HfApi().model_info(name, timeout=10)
+    except GatedRepoError:
+        return
+    except RepositoryNotFoundError:
+        raise SourceError(f"no such folder, and no model {name!r} on the Hugging Face Hub (or it is private)") from None
+    except Exception as err:  # the network, not the id: say so instead of retrying for a minute
+        raise SourceError(
+            f"cannot reach the Hugging Face Hub to fetch {name!r} ({type(err).__name__}: {err}); pass a local "
+            "folder, or set HF_HUB_OFFLINE=1 to use the cache"
+        ) from None
