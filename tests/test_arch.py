@@ -195,3 +195,19 @@ def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family,
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         assert (plain(input_ids=x).logits - full.model(input_ids=x).logits).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset, family, depth", [
+    ("smollm2-135m", "llama", 30), ("pythia-160m", "neox-parallel", 12), ("qwen3-0.6b", "qwen3", 28),
+    ("llama-3.2-1b", "llama", 16),
+])
+def test_family_presets_remove_every_slot_of_their_model_within_the_run(preset, family, depth):
+    from lnfree.config import load_preset
+
+    config = load_preset(preset)
+    model_config = tiny_family(family).config
+    model_config.num_hidden_layers = depth
+    arch = architecture(model_config)
+    slots = {s for site in arch.sites() for s in site.slots}
+    events = config.removal.schedule.check(depth, config.train.max_steps, slots=slots)
+    assert {e.slot for e in events} == slots
