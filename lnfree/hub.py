@@ -29,17 +29,26 @@ division was frozen to a fixed scale σ one norm at a time during fine-tuning
 ([lnfree](https://pypi.org/project/lnfree/), after Heimersheim 2024, arXiv 2409.13710, and
 Baroni et al. 2025, arXiv 2507.02559). The model is a plain `GPT2LMHeadModel` in the eps-trick
 format: every norm has eps = 1e12 and weight = w·1e6/σ, so it computes (x − mean)/σ · w + b.
-Load it in **fp32** (the 1e6-scaled weights overflow fp16; `lnfree.load` folds them first).
 
-## Use
+## How to load exactly
+
+In fp32, sqrt(var + 1e12) is exactly 1e6 for var < ~3·10⁴, so the file reproduces the LN-free
+model; `config.layer_norm_epsilon` is 1e12 too, for loaders that read eps from the config.
+
+- **Plain transformers: fp32 only.** The 1e6-scaled norm weights overflow fp16, and bf16 loses the
+  exactness of the trick: never load this file in a lower precision with plain transformers.
+- **Any dtype: lnfree.** `lnfree.load` reads every σ in fp32, removes the 1e6 factor and only then
+  casts; it also gives the exactly LN-free folded weights and a TransformerLens bridge.
+- `lnfree verify {{ repo_id }}` checks a download against the fingerprint recorded at export.
 
 ```python
+import torch
 from transformers import GPT2LMHeadModel
-model = GPT2LMHeadModel.from_pretrained("{{ repo_id }}")  # fp32
+model = GPT2LMHeadModel.from_pretrained("{{ repo_id }}", dtype=torch.float32)  # exact in fp32 only
 
-import lnfree.load
-loaded = lnfree.load.load("{{ repo_id }}")  # knows every norm's σ; any dtype
-folded = loaded.folded()                     # exactly LN-free weights, identity norms
+import lnfree
+loaded = lnfree.load("{{ repo_id }}", dtype=torch.bfloat16)  # any dtype: σ read in fp32, cast last
+folded = loaded.folded()                     # exactly LN-free weights, identity norms (in memory)
 bridge = loaded.bridge()                     # TransformerLens 4 TransformerBridge, exact
 ```
 
@@ -127,6 +136,7 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
                 metric_value=round(value, 4)))
     card_data = ModelCardData(
         base_model=None if base_model == "tiny" else base_model,
+        base_model_relation=None if base_model == "tiny" else "finetune",
         datasets=None if data_source == "tiny" or Path(data_source).exists() else [data_source],
         license=base_license(base_model),
         pipeline_tag="text-generation",
