@@ -20,7 +20,7 @@ class _Strict(BaseModel):
 class DataConfig(_Strict):
     """Where the fine-tuning tokens come from and how held-out data is made."""
 
-    source: str = Field("tiny", description="'tiny', a Hub dataset id, or a local file/folder")
+    source: str = Field("tiny", description="'tiny', 'realtext', a Hub dataset id, or a local file/folder")
     revision: str | None = None
     split: str = "train"
     text_field: str = "text"

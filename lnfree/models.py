@@ -15,11 +15,15 @@ class ModelError(ValueError):
 
 
 def resolve_model_source(name: str) -> str:
-    """'tiny' → the bundled tiny model's folder; anything else is a local folder or a Hub id."""
+    """'tiny' / 'realtext' → a bundled model's folder; anything else is a local folder or a Hub id."""
     if name == "tiny":
         from lnfree.tiny import TINY_MODEL_DIR
 
         return str(TINY_MODEL_DIR)
+    if name == "realtext":
+        from lnfree.realtext import REALTEXT_MODEL_DIR
+
+        return str(REALTEXT_MODEL_DIR)
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 

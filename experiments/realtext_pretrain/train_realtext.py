@@ -72,6 +72,15 @@ def make_model(vocab_size: int, eot: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+@torch.no_grad()
+def chunk_ce(model: GPT2LMHeadModel, stream: list[int], n_chunks: int) -> list[float]:
+    """Mean next-token CE of each of the first ``n_chunks`` 256-token chunks of ``stream``."""
+    model.eval()
+    ids = torch.tensor(stream[: n_chunks * CONTEXT], dtype=torch.long).view(n_chunks, CONTEXT)
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1).tolist()
+
+
 def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -177,6 +186,8 @@ def main() -> None:
         "heldout_ce_definition": "mean next-token CE of the held-out documents joined by EOT and cut "
                                  "into consecutive 256-token chunks (last partial chunk kept)",
         "heldout_tokens": len(heldout_stream),
+        # Recomputable in seconds (tests/test_realtext.py): the same stream's first 16 chunks, one CE each.
+        "heldout_ce_first_16_chunks": chunk_ce(model, heldout_stream, 16),
         "train_documents": len(train_docs),
         "train_tokens": len(stream),
         "log_vocab": math.log(len(tokenizer)),
