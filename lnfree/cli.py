@@ -272,6 +272,9 @@ def verify(
     for name, check in report["checks"].items():
         value = "n/a" if check["max_abs_diff"] is None else f"{check['max_abs_diff']:.2e}"
         typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}  {check['note']}")
+    fingerprint = report["fingerprint"]
+    status = "FAIL" if not fingerprint["ok"] else ("ok  " if fingerprint["checked"] else "note")
+    typer.echo(f"  {status} {'export fingerprint':>30}: {fingerprint['note']}")
     if out is not None:
         typer.echo(f"report: {out}")
     if not report["ok"]:

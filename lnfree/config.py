@@ -24,7 +24,7 @@ class _Strict(BaseModel):
 class DataConfig(_Strict):
     """Where the fine-tuning tokens come from and how held-out data is made."""
 
-    source: str = Field("tiny", description="'tiny', a Hub dataset id, or a local file/folder")
+    source: str = Field("tiny", description="'tiny', 'realtext', a Hub dataset id, or a local file/folder")
     document_separator: str | None = Field(
         None, description="split a single .txt file into documents at this exact text (e.g. '\\n\\n'); default: one document"
     )

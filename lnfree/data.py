@@ -2,6 +2,8 @@
 
 Sources (``DataConfig.source``):
 - ``tiny``: the synthetic corpus of the bundled tiny model (held-out text from its own seed);
+- ``realtext``: Django's documentation, the corpus of the bundled realtext model, with that model's
+  own train/held-out document split (``lnfree.realtext``; fetched with pip on first use);
 - a local ``.txt`` file (one document, or several split at ``document_separator``), a folder of
   ``.txt`` files (one document each), a ``.jsonl`` file (one document per line, in ``text_field``), a ``.parquet``
   file, or a folder written by ``datasets.Dataset.save_to_disk``;
@@ -64,6 +66,17 @@ def _text_datasets(config: DataConfig):
         return (
             datasets.Dataset.from_dict({"text": generate_documents(n, FINETUNE_SEED)}),
             datasets.Dataset.from_dict({"text": generate_documents(held_out, HELDOUT_SEED)}),
+        )
+    if config.source == "realtext":
+        from lnfree.realtext import CorpusError, train_and_heldout
+
+        try:
+            train, held_out = train_and_heldout()
+        except CorpusError as err:
+            raise DataError(str(err)) from err
+        return (
+            datasets.Dataset.from_dict({"text": train[: config.max_documents]}),
+            datasets.Dataset.from_dict({"text": held_out}),
         )
     path = Path(config.source).expanduser()
     if path.exists():

@@ -77,8 +77,8 @@ class DatasetPreset:
 
     name: str
     description: str
-    source: str  # "tiny" or a Hub dataset id
-    how: str  # "tiny" | "heldout-split" | "stream"
+    source: str  # a bundled preset ("tiny", "realtext") or a Hub dataset id
+    how: str  # "tiny" (a bundled model's own held-out split, per its preset) | "heldout-split" | "stream"
     context: int | None
     n_sequences: int | None  # None: every sequence the set holds
     revision: str | None = None
@@ -101,6 +101,8 @@ def presets() -> dict[str, DatasetPreset]:
     """The named evaluation sets (`tiny`, `owt-val`, `pile`, `pile-filtered`)."""
     return {
         "tiny": DatasetPreset("tiny", "the bundled tiny model's held-out synthetic text", "tiny", "tiny", None, None),
+        "realtext": DatasetPreset("realtext", "held-out Django documentation (the realtext model's split)",
+                                  "realtext", "tiny", None, None),
         "owt-val": _owt_preset(),
         "pile": DatasetPreset(
             "pile", "the Pile (uncopyrighted), GPT-2 tokens, first 10k x 1024",
@@ -237,7 +239,7 @@ def load_sequences(
         from lnfree.config import load_preset
         from lnfree.data import prepare_data
 
-        config = load_preset("tiny").data.model_copy(update={"context_length": context, "cache_dir": cache_dir})
+        config = load_preset(spec.source).data.model_copy(update={"context_length": context, "cache_dir": cache_dir})
         held_out = prepare_data(config, tokenizer, context, vocab_size).held_out
         sequences = np.asarray(held_out[: n_sequences or len(held_out)], dtype=np.int64)
     elif spec.how == "npy":

@@ -179,7 +179,10 @@ def write_export(
     held-out text when available, seeded random tokens otherwise) and recorded with the resulting
     worst-case relative error. Written to a temporary folder first and moved into place, so a
     failure leaves nothing behind.
+    The record holds a fingerprint (weights sha256, probe logits) that `lnfree verify` checks.
     """
+    from lnfree.verify import export_fingerprint  # lnfree.verify imports this module
+
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
@@ -204,6 +207,7 @@ def write_export(
             "fully_removed": surgery.is_fully_removed(model),
             "norms": surgery.removal_state(model),
             **record,
+            "fingerprint": export_fingerprint(plain, tmp),
         }
         (tmp / RECORD).write_text(json.dumps(full, indent=1))
         if out.exists():

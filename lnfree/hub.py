@@ -9,13 +9,15 @@ then `create_repo` + `upload_folder`. The token is whatever huggingface_hub find
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
-from lnfree.export import RECORD
+from lnfree.export import EPS_TRICK_EPS, RECORD
+from lnfree.models import HUB_IDS
 from lnfree.verify import verify, write_report
 
 CARD_TEMPLATE = """---
@@ -24,22 +26,33 @@ CARD_TEMPLATE = """---
 
 # {{ model_name }}
 
-A LayerNorm-free version of [{{ base_model }}]({{ base_link }}): every LayerNorm's per-token
+A LayerNorm-free version of [{{ base_model }}]({{ base_link }}): every norm's per-token
 division was frozen to a fixed scale σ one norm at a time during fine-tuning
 ([lnfree](https://pypi.org/project/lnfree/), after Heimersheim 2024, arXiv 2409.13710, and
-Baroni et al. 2025, arXiv 2507.02559). The model is a plain `GPT2LMHeadModel` in the eps-trick
-format: every norm has eps = 1e12 and weight = w·1e6/σ, so it computes (x − mean)/σ · w + b.
-Load it in **fp32** (the 1e6-scaled weights overflow fp16; `lnfree.load` folds them first).
+Baroni et al. 2025, arXiv 2507.02559). The model is a plain `{{ model_class }}` in the eps-trick
+format: every norm has eps = {{ eps }} and weight = w·√eps/σ, so it computes (x − mean)/σ · w + b
+(an RMSNorm: x/σ · w).
 
-## Use
+## How to load exactly
+
+In fp32, sqrt(m + {{ eps }}) is exactly √eps while the norm input's variance (mean square for
+RMSNorm) m is below {{ exact_below }}; the largest m measured at export was {{ peak }}, so the file
+reproduces the LN-free model. The config's eps is {{ eps }} too, for loaders that read it there.
+
+- **Plain transformers: fp32 only.** The √eps-scaled norm weights overflow fp16, and bf16 loses the
+  exactness of the trick: never load this file in a lower precision with plain transformers.
+- **Any dtype: lnfree.** `lnfree.load` reads every σ in fp32, removes the √eps factor and only then
+  casts; it also gives the exactly LN-free folded weights and a TransformerLens bridge.
+- `lnfree verify {{ repo_id }}` checks a download against the fingerprint recorded at export.
 
 ```python
-from transformers import GPT2LMHeadModel
-model = GPT2LMHeadModel.from_pretrained("{{ repo_id }}")  # fp32
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}", dtype=torch.float32)  # exact in fp32 only
 
-import lnfree.load
-loaded = lnfree.load.load("{{ repo_id }}")  # knows every norm's σ; any dtype
-folded = loaded.folded()                     # exactly LN-free weights, identity norms
+import lnfree
+loaded = lnfree.load("{{ repo_id }}", dtype=torch.bfloat16)  # any dtype: σ read in fp32, cast last
+folded = loaded.folded()                     # exactly LN-free weights, identity norms (in memory)
 bridge = loaded.bridge()                     # TransformerLens 4 TransformerBridge, exact
 ```
 
@@ -116,7 +129,10 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
     """
     record = json.loads((export_dir / RECORD).read_text())
     run = record.get("run_config", {})
-    base_model = run.get("model", "unknown")
+    base_model = HUB_IDS.get(run.get("model", "unknown"), run.get("model", "unknown"))
+    model_config = json.loads((export_dir / "config.json").read_text())
+    eps = float(record.get("eps", EPS_TRICK_EPS))
+    peak = (record.get("eps_choice") or {}).get("peak_norm_input")
     data_source = run.get("data", {}).get("source", "unknown")
     eval_results = eval_report_results([Path(p) for p in eval_reports], export_dir)
     for name, value in (record.get("held_out_ce") or {}).items():
@@ -127,11 +143,12 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
                 metric_value=round(value, 4)))
     card_data = ModelCardData(
         base_model=None if base_model == "tiny" else base_model,
+        base_model_relation=None if base_model == "tiny" else "finetune",
         datasets=None if data_source == "tiny" or Path(data_source).exists() else [data_source],
         license=base_license(base_model),
         pipeline_tag="text-generation",
         library_name="transformers",
-        tags=["layernorm-free", "lnfree", "gpt2", "interpretability"],
+        tags=["layernorm-free", "lnfree", model_config.get("model_type", "gpt2"), "interpretability"],
         model_name=repo_id.split("/")[-1],
         eval_results=eval_results or None,
     )
@@ -146,7 +163,9 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
     return ModelCard.from_template(
         card_data, template_str=CARD_TEMPLATE, model_name=card_data.model_name, repo_id=repo_id,
         base_model=base_model, base_link=f"https://huggingface.co/{base_model}", events=events, checks=checks,
-        summary=summary,
+        summary=summary, model_class=(model_config.get("architectures") or ["a transformers model"])[0],
+        eps=f"{eps:.0e}", exact_below=f"{2.0 ** (math.floor(math.log2(eps)) - 24):.3g}",
+        peak="not recorded" if peak is None else f"{peak:.3g}",
     )
 
 

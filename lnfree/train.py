@@ -272,7 +272,7 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
             raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
         if not resume and not overwrite:
             what = "this same run" if same else "a different run"
-            raise RunError(f"{out} already holds {what}; pass --resume to continue it or --overwrite to replace it")
+            raise RunError(f"{out} already holds {what}; continue it with resume=True (CLI: --resume) or replace it with overwrite=True (--overwrite)")
         if overwrite:
             for name in RUN_OUTPUTS:  # never what the user put beside them (e.g. an eval/ folder)
                 path = out / name
@@ -285,7 +285,7 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
     elif resume:
         raise RunError(f"nothing to resume in {out}")
     elif out.exists() and any(out.iterdir()) and not overwrite:
-        raise RunError(f"{out} is not empty and holds no lnfree run; choose another --output-dir")
+        raise RunError(f"{out} is not empty and holds no lnfree run; choose another output_dir (CLI: --output-dir)")
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))

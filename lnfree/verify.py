@@ -5,10 +5,15 @@ sample tokens: the checkpoint loaded by plain `transformers` exactly as saved (w
 has never heard of lnfree gets), the folded LN-free weights, the TransformerLens bridge, and the
 direct-logit-attribution reconstruction (embeddings + every attention and MLP output, each read
 through the unembedding, plus its bias, must sum to the logits; LN-free models only).
+
+These checks only show that the representations agree with each other. An export also records a
+fingerprint at export time (sha256 of its weight files, logits of a seeded probe batch), which
+`check_fingerprint` compares with the files as they are now: that catches a damaged export.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -99,6 +104,7 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
                 record("transformer_lens_bridge", _max_diff(tl(ids), reference))
         except Exception as err:  # the bridge is one check among several: report, do not crash
             record("transformer_lens_bridge", None, f"{type(err).__name__}: {err}")
+    fingerprint = check_fingerprint(source, loaded, tolerance)
     return {
         "source": str(source),
         "kind": loaded.kind,
@@ -108,7 +114,8 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
         "seed": seed,
         "norms": loaded.norms,
         "checks": checks,
-        "ok": all(c["ok"] for c in checks.values()),
+        "fingerprint": fingerprint,
+        "ok": all(c["ok"] for c in checks.values()) and fingerprint["ok"],
     }
 
 
@@ -118,3 +125,79 @@ def write_report(report: dict, out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     return out
+
+
+# --- Export fingerprint: detects files changed after export, which internal consistency cannot ---
+
+PROBE_SEED = 1234
+PROBE_SHAPE = (2, 16)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def probe_logits(model: nn.Module) -> dict[str, list]:
+    """Summary of `model`'s fp32 logits on the seeded probe batch: per-position logsumexp and next-token logits."""
+    ids = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 32, *PROBE_SHAPE, seed=PROBE_SEED)
+    logits = model(input_ids=ids).logits.double()
+    return {
+        "logsumexp": logits.logsumexp(-1).tolist(),
+        "next_token_logits": logits[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist(),
+    }
+
+
+def export_fingerprint(model: nn.Module, folder: Path) -> dict:
+    """What `lnfree verify` checks an export against: sha256 of its weight files and `probe_logits`."""
+    return {
+        "weights_sha256": {f.name: _sha256(f) for f in sorted(Path(folder).glob("*.safetensors"))},
+        "probe": {"seed": PROBE_SEED, "shape": list(PROBE_SHAPE), **probe_logits(model)},
+    }
+
+
+def _source_file(source: str, name: str) -> Path | None:
+    """A file of a local folder or Hub repo, or None when it does not exist or cannot be fetched."""
+    path = Path(str(source)) / name
+    if Path(str(source)).exists():
+        return path if path.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(str(source), name))
+    except Exception:  # absent from the repo, or no network: reported as "no record"
+        return None
+
+
+def check_fingerprint(source: str | Path, loaded: LoadedModel, tolerance: float = TOLERANCE) -> dict:
+    """Compare `source`'s files and probe logits with the fingerprint recorded at export.
+
+    Without a recorded fingerprint (published checkpoints, older exports) nothing is compared and
+    the note says that only internal consistency was checked.
+    """
+    from lnfree.export import RECORD
+
+    record_path = _source_file(str(source), RECORD)
+    fingerprint = json.loads(record_path.read_text()).get("fingerprint") if record_path else None
+    if not fingerprint:
+        return {"checked": False, "ok": True, "weights": {}, "probe_max_abs_diff": None,
+                "note": f"no export fingerprint ({RECORD}): only internal consistency was checked"}
+    weights = {}
+    for name, expected in fingerprint["weights_sha256"].items():
+        path = _source_file(str(source), name)
+        weights[name] = "missing" if path is None else ("match" if _sha256(path) == expected else "changed")
+    recorded = fingerprint["probe"]
+    now = probe_logits(loaded.model)
+    diff = max(
+        (torch.tensor(now[key], dtype=torch.float64) - torch.tensor(recorded[key], dtype=torch.float64)).abs().max().item()
+        for key in ("logsumexp", "next_token_logits")
+    )
+    problems = [f"{name} {state}" for name, state in weights.items() if state != "match"]
+    if diff > tolerance:
+        problems.append(f"probe logits differ by {diff:.2e}")
+    return {"checked": True, "ok": not problems, "weights": weights, "probe_max_abs_diff": diff,
+            "note": "; ".join(problems) or "files and probe logits match the export"}

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from lnfree import surgery
 from lnfree.export import write_export
-from lnfree.hub import PushError, push
+from lnfree.export import RECORD
+from lnfree.hub import PushError, build_card, push
 from lnfree.verify import verify
 
 
@@ -67,7 +68,8 @@ def test_dry_run_folder_passes_verify_and_its_card_round_trips(export, tmp_path)
     assert "layernorm-free" in card.data.tags and card.data.pipeline_tag == "text-generation"
     assert card.data.license == "mit"
     assert card.data.eval_results[0].metric_value == pytest.approx(1.49)
-    assert "GPT2LMHeadModel.from_pretrained(\"user/tiny-lnfree\")" in card.text
+    assert "GPT2LMHeadModel.from_pretrained(\"user/tiny-lnfree\", dtype=torch.float32)" in card.text
+    assert card.data.base_model is None and "base_model_relation" not in card.data.to_dict()
     assert "blocks.1.ln_1v" in card.text and "dla_reconstruction" in card.text
     assert json.loads((tmp_path / "upload" / "verify.json").read_text())["ok"]
 
@@ -122,3 +124,21 @@ def test_eval_reports_become_model_index_results(export, tmp_path):
     assert by_name["mean cross-entropy (nats)"].dataset_name == "tiny"
     with pytest.raises(PushError, match="cannot read the eval report"):
         push(export, "user/tiny-lnfree", dry_run=True, dry_run_dir=tmp_path / "u2", eval_reports=[tmp_path / "missing.json"])
+
+
+def test_card_of_a_fine_tune_names_the_relation_and_its_load_snippet_runs_exactly(export):
+    record = json.loads((export / RECORD).read_text())
+    record["run_config"]["model"] = "openai-community/gpt2"
+    (export / RECORD).write_text(json.dumps(record))
+    card = build_card(export, str(export), verify(export, bridge=False))
+    assert card.data.base_model == "openai-community/gpt2" and card.data.base_model_relation == "finetune"
+    section = card.text.split("## How to load exactly")[1].split("## Removal")[0]
+    assert "fp32 only" in section and "Any dtype" in section
+    namespace: dict = {}
+    exec(section.split("```python")[1].split("```")[0], namespace)  # the snippet, on the local export
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = namespace["model"](input_ids=ids).logits
+        reference = namespace["lnfree"].load(export).model(input_ids=ids).logits
+    assert (plain - reference).abs().max() <= 1e-4
+    assert namespace["loaded"].model.dtype == torch.bfloat16

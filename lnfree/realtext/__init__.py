@@ -1,0 +1,29 @@
+"""The bundled real-text GPT-2 ('realtext'): its corpus, tokenizer and location on disk.
+
+``REALTEXT_MODEL_DIR`` holds a 4-layer, 128-wide GPT-2 with LayerNorm, context 256, trained from
+scratch on Django's documentation (see :mod:`lnfree.realtext.corpus` and
+``experiments/realtext_pretrain/train_realtext.py``). Load it by the name ``realtext`` wherever
+``tiny`` works, and fine-tune on its corpus with ``--data realtext``.
+"""
+
+from pathlib import Path
+
+from lnfree.realtext.corpus import (
+    HELDOUT_FRACTION,
+    SPLIT_SEED,
+    CorpusError,
+    fetch_command,
+    load_documents,
+    sdist_path,
+    split_documents,
+    train_and_heldout,
+)
+from lnfree.realtext.tokenizer import EOT_TOKEN, build_tokenizer
+
+__all__ = [
+    "REALTEXT_MODEL_DIR", "HELDOUT_FRACTION", "SPLIT_SEED", "CorpusError", "EOT_TOKEN", "build_tokenizer",
+    "fetch_command", "load_documents", "sdist_path", "split_documents", "train_and_heldout",
+]
+
+#: Directory of the bundled real-text model (config, safetensors weights, tokenizer, training summary).
+REALTEXT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "realtext-gpt2"

@@ -1,0 +1,104 @@
+"""Real English text for the 'realtext' model: the documentation that ships in Django's sdist.
+
+Django's source distribution on PyPI (``django-5.2.8.tar.gz``, 10.8 MB, BSD-3-Clause like the rest
+of Django) contains its full documentation as reStructuredText under ``docs/``: 639 ``.txt`` files,
+6.1 MB of English prose about web development, with code samples and release notes. Each file is
+one document. The sdist is fetched once with pip into a cache::
+
+    python -m pip download --no-deps --no-binary :all: django==5.2.8 -d ~/.cache/lnfree/realtext
+
+and checked against its sha256, so every machine reads byte-identical documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+__all__ = [
+    "SDIST_NAME", "SDIST_SHA256", "CorpusError", "fetch_command", "sdist_path", "load_documents",
+    "split_documents", "train_and_heldout",
+]
+
+DJANGO_VERSION = "5.2.8"
+SDIST_NAME = f"django-{DJANGO_VERSION}.tar.gz"
+SDIST_SHA256 = "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f"
+#: Share of documents held out (whole files), and the seed of the shuffle that picks them.
+HELDOUT_FRACTION = 0.08
+SPLIT_SEED = 0
+_DOCS_PREFIX = f"django-{DJANGO_VERSION}/docs/"
+_SKIPPED = ("_theme/", "requirements.txt")  # HTML-theme licence text and a pip requirements list
+
+
+class CorpusError(RuntimeError):
+    """The corpus cannot be fetched or does not match the expected download."""
+
+
+def default_cache_dir() -> Path:
+    """Where the sdist is cached: ``~/.cache/lnfree/realtext``."""
+    return Path.home() / ".cache" / "lnfree" / "realtext"
+
+
+def fetch_command(cache_dir: Path) -> list[str]:
+    """The pip command that downloads the sdist into ``cache_dir``."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            f"django=={DJANGO_VERSION}", "-d", str(cache_dir)]  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sdist_path(cache_dir: Path | None = None, *, download: bool = True) -> Path:
+    """The verified sdist in ``cache_dir``, downloaded with pip first if it is not there."""
+    cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
+    path = cache_dir / SDIST_NAME
+    if not path.is_file() and download:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(fetch_command(cache_dir), capture_output=True, text=True)
+        if result.returncode != 0 or not path.is_file():
+            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or [""]
+            raise CorpusError(
+                f"could not download the realtext corpus ({tail[0]}); run `{' '.join(fetch_command(cache_dir))}`"
+            )
+    if not path.is_file():
+        raise CorpusError(f"realtext corpus not found; run `{' '.join(fetch_command(cache_dir))}`")
+    if _sha256(path) != SDIST_SHA256:
+        raise CorpusError(f"{path} does not match the expected sha256; delete it and fetch it again")
+    return path
+
+
+def load_documents(cache_dir: Path | None = None) -> dict[str, str]:
+    """Every documentation file of the sdist, ``{path under docs/: text}``, sorted by path."""
+    docs: dict[str, str] = {}
+    with tarfile.open(sdist_path(cache_dir)) as tar:
+        for member in tar.getmembers():
+            name = member.name.removeprefix(_DOCS_PREFIX)
+            if member.isfile() and name != member.name and name.endswith(".txt") and not name.startswith(_SKIPPED):
+                docs[name] = tar.extractfile(member).read().decode("utf-8").strip()
+    return dict(sorted(docs.items()))
+
+
+def split_documents(
+    names: list[str], heldout_fraction: float = HELDOUT_FRACTION, seed: int = SPLIT_SEED
+) -> tuple[list[str], list[str]]:
+    """(train, held-out) document names: a seeded shuffle of the sorted names, whole files only."""
+    order = sorted(names)
+    random.Random(seed).shuffle(order)
+    n_heldout = max(1, round(len(order) * heldout_fraction))
+    return sorted(order[n_heldout:]), sorted(order[:n_heldout])
+
+
+def train_and_heldout(cache_dir: Path | None = None) -> tuple[list[str], list[str]]:
+    """The texts of the train and held-out documents, each list in sorted-path order."""
+    docs = load_documents(cache_dir)
+    train, heldout = split_documents(list(docs))
+    return [docs[n] for n in train], [docs[n] for n in heldout]
