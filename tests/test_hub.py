@@ -68,7 +68,8 @@ def test_dry_run_folder_passes_verify_and_its_card_round_trips(export, tmp_path)
     assert "layernorm-free" in card.data.tags and card.data.pipeline_tag == "text-generation"
     assert card.data.license == "mit"
     assert card.data.eval_results[0].metric_value == pytest.approx(1.49)
-    assert "GPT2LMHeadModel.from_pretrained(\"user/tiny-lnfree\", dtype=torch.float32)" in card.text
+    assert "AutoModelForCausalLM.from_pretrained(\"user/tiny-lnfree\", dtype=torch.float32)" in card.text
+    assert "plain `GPT2LMHeadModel` in the eps-trick" in card.text and "eps = 1e+12" in card.text
     assert card.data.base_model is None and "base_model_relation" not in card.data.to_dict()
     assert "blocks.1.ln_1v" in card.text and "dla_reconstruction" in card.text
     assert json.loads((tmp_path / "upload" / "verify.json").read_text())["ok"]
