@@ -37,7 +37,8 @@ run "$out/eval" lnfree eval "${models[@]}" --labels original vanilla ln_free --d
   --n-sequences 48 --out "$out/eval"
 run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels original vanilla ln_free --data realtext \
   --n-sequences 16 --length 64 --n-prompts 16 --batch-size 4 --device cpu --out "$out/analysis"
-for tag in ln_free vanilla; do
+[[ $DRY_RUN == 1 ]] && exit 0
+for tag in ln_free vanilla; do  # the runs' own records beside the results (not the weights)
   mkdir -p "$REPO_ROOT/$out/$tag"
   cp "$REPO_ROOT/$runs/$tag/summary.json" "$REPO_ROOT/$runs/$tag/log.jsonl" "$REPO_ROOT/$runs/$tag/run_config.json" \
     "$REPO_ROOT/$out/$tag/"
