@@ -13,7 +13,7 @@ import typer
 
 from lnfree.analysis.cli import analyze
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm from GPT-2 models by fine-tuning.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm/RMSNorm from pretrained language models (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia) by fine-tuning.")
 
 PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: chosen from --model)")
 CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config, instead of a preset. (default: none)")
@@ -63,7 +63,7 @@ def _base_config(preset: str | None, config_file: Path | None, model: str | None
         candidate = load_preset(name)
         if model in (name, candidate.model):
             return candidate
-    # Any other GPT-2: the GPT-2 small hyperparameters; context, schedule and length from the model,
+    # Any other model: the GPT-2 small hyperparameters; context, schedule and length from the model,
     # the model's own dropout (as P25 kept GPT-2's), a micro-batch that fits the step.
     generic = load_preset("gpt2")
     return generic.model_copy(update={
@@ -112,7 +112,7 @@ def _summary_lines(summary: dict) -> list[str]:
 
 @app.command()
 def remove(
-    model: Annotated[Optional[str], typer.Option(help="Local folder or Hub id of a GPT-2 checkpoint. (default: the bundled tiny model)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Local folder, Hub id or name ('tiny', 'realtext', 'smollm2-135m') of a supported model. (default: the bundled tiny model)")] = None,
     data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
     preset: Annotated[Optional[str], PRESET_OPT] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
@@ -128,7 +128,7 @@ def remove(
     resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its latest complete checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir (files it wrote only).")] = False,
 ) -> None:
-    """Fine-tune a GPT-2 while removing its LayerNorms one by one, then export it LN-free."""
+    """Fine-tune a model while removing its norms one by one, then export it LN-free."""
     from lnfree.config import with_overrides
     from lnfree.export import export_run
     from lnfree.sources import check_model_source
@@ -230,11 +230,11 @@ def schedule(
 @app.command()
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="A run folder (its latest checkpoint) or a checkpoints/step_N folder.")],
-    out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick GPT2LMHeadModel to.")],
+    out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick model to.")],
     allow_partial: Annotated[bool, typer.Option(help="Export even if some norms are still real.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
-    """Export a training checkpoint as a plain GPT-2 in the eps-trick format."""
+    """Export a training checkpoint as a plain transformers model in the eps-trick format."""
     from lnfree.export import load_checkpoint, write_export
     from lnfree.train import latest_checkpoint, quiet_libraries
 
@@ -255,7 +255,7 @@ def export(
 
 @app.command()
 def verify(
-    source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any GPT-2 folder / Hub id.")],
+    source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any supported model's folder / Hub id.")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the report as JSON to this file. (default: none)")] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| accepted (fp32).")] = 1e-4,
     seed: Annotated[int, typer.Option(help="Seed of the sample tokens.")] = 0,
@@ -328,7 +328,7 @@ class _LabelsCommand(typer.core.TyperCommand):
 
 @app.command("eval", cls=_LabelsCommand)
 def eval_(
-    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, GPT-2 folders or Hub ids.")],
+    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, model folders or Hub ids.")],
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
     labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models. (default: from the model names)")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
