@@ -34,9 +34,9 @@ mkdir -p "$REPO_ROOT/$out"
 run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
 models=(smollm2-135m "$runs/vanilla" "$runs/ln_free/export")
 run "$out/eval" lnfree eval "${models[@]}" --labels original vanilla ln_free --dataset realtext --context 128 \
-  --n-sequences 48 --out "$out/eval"
+  --n-sequences 32 --out "$out/eval"
 run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels original vanilla ln_free --data realtext \
-  --n-sequences 16 --length 64 --n-prompts 16 --batch-size 4 --device cpu --out "$out/analysis"
+  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/analysis"
 [[ $DRY_RUN == 1 ]] && exit 0
 for tag in ln_free vanilla; do  # the runs' own records beside the results (not the weights)
   mkdir -p "$REPO_ROOT/$out/$tag"
