@@ -33,8 +33,8 @@ removal_run vanilla --mode vanilla
 mkdir -p "$REPO_ROOT/$out"
 run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
 models=(smollm2-135m "$runs/vanilla" "$runs/ln_free/export")
-run "$out/eval" lnfree eval "${models[@]}" --labels original vanilla ln_free --dataset realtext --context 128 \
-  --n-sequences 32 --out "$out/eval"
+run "$out/eval" lnfree eval "${models[@]}" --labels original vanilla ln_free --dataset realtext --context 64 \
+  --n-sequences 66 --out "$out/eval"
 run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels original vanilla ln_free --data realtext \
   --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/analysis"
 [[ $DRY_RUN == 1 ]] && exit 0
