@@ -17,7 +17,20 @@ from lnfree.train import run
 
 
 def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_path):
-    config = run_config(max_steps=14, micro_batch_size=4)  # 8 sequences a step: 1 micro-step × 2 ranks
+    two_processes_match_one(run_config(max_steps=14, micro_batch_size=4), tmp_path)  # 8 sequences: 1 micro-step × 2 ranks
+
+
+def test_two_process_llama_run_freezes_identical_sigma(tmp_path):
+    from test_arch import family_run_config
+
+    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    two_processes_match_one(family_run_config("llama", tokenizer, tmp_path, micro_batch_size=4), tmp_path)
+
+
+def two_processes_match_one(config, tmp_path):
+    """Run `config` on two gloo processes and on one; every rank must freeze the single run's σ."""
     config_file = tmp_path / "dist.json"
     config_file.write_text(with_overrides(config, {"output_dir": str(tmp_path / "dist-run")}).model_dump_json())
     result_file = tmp_path / "result.json"
