@@ -59,7 +59,7 @@ def _removal_lines(events: list[dict]) -> list[str]:
 @app.command()
 def remove(
     model: Annotated[Optional[str], typer.Option(help="Local folder or Hub id of a GPT-2 checkpoint (default: the bundled tiny model).")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="'tiny', 'realtext', a Hub dataset id, or a local file/folder.")] = None,
     preset: Annotated[Optional[str], PRESET_OPT] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o")] = None,
@@ -266,8 +266,8 @@ class _LabelsCommand(typer.core.TyperCommand):
 
 @app.command("eval", cls=_LabelsCommand)
 def eval_(
-    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, GPT-2 folders or Hub ids.")],
-    dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
+    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', 'realtext', run/checkpoint/export folders, GPT-2 folders or Hub ids.")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, realtext, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
     labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
     n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences (default: the dataset preset's).", min=1)] = None,
