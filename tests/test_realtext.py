@@ -68,3 +68,13 @@ def test_data_source_realtext_uses_the_models_own_split(base, documents, tmp_pat
     assert data.held_out.reshape(-1).tolist() == expected[: data.held_out.size]
     first_train = encode_documents(tokenizer, [documents[n] for n in train[:10]])  # max_documents=10
     assert data.train.reshape(-1).tolist() == first_train[: data.train.size]
+
+
+def test_eval_dataset_realtext_reads_the_heldout_documents(base, documents, tmp_path):
+    from lnfree.analysis.common import evaluation_tokens
+
+    _, tokenizer = base
+    tokens = evaluation_tokens(tokenizer, source="realtext", n_sequences=4, length=256, cache_dir=str(tmp_path))
+    _, heldout = split_documents(list(documents))
+    expected = encode_documents(tokenizer, [documents[n] for n in heldout])[: 4 * 256]
+    assert tokens.reshape(-1).tolist() == expected
