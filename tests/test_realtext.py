@@ -10,7 +10,8 @@ import torch
 from lnfree.config import load_preset
 from lnfree.data import prepare_data
 from lnfree.models import load_base
-from lnfree.realtext import REALTEXT_MODEL_DIR, load_documents, split_documents
+from lnfree.realtext import REALTEXT_MODEL_DIR, CorpusError, load_documents, sdist_path, split_documents
+from lnfree.realtext.corpus import SDIST_NAME
 from lnfree.tiny import encode_documents
 
 SUMMARY = json.loads((REALTEXT_MODEL_DIR / "training_summary.json").read_text())
@@ -78,3 +79,11 @@ def test_eval_dataset_realtext_reads_the_heldout_documents(base, documents, tmp_
     _, heldout = split_documents(list(documents))
     expected = encode_documents(tokenizer, [documents[n] for n in heldout])[: 4 * 256]
     assert tokens.reshape(-1).tolist() == expected
+
+
+def test_a_missing_or_altered_corpus_names_the_fix(tmp_path):
+    with pytest.raises(CorpusError, match=r"pip download --no-deps --no-binary :all: django==5\.2\.8 -d"):
+        sdist_path(tmp_path, download=False)
+    (tmp_path / SDIST_NAME).write_bytes(b"not the sdist")
+    with pytest.raises(CorpusError, match="sha256"):
+        sdist_path(tmp_path)
