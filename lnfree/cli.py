@@ -113,7 +113,7 @@ def _summary_lines(summary: dict) -> list[str]:
 @app.command()
 def remove(
     model: Annotated[Optional[str], typer.Option(help="Local folder, Hub id or name ('tiny', 'realtext', 'smollm2-135m') of a supported model. (default: the bundled tiny model)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'tiny', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
+    data: Annotated[Optional[str], typer.Option(help="'tiny', 'realtext', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
     preset: Annotated[Optional[str], PRESET_OPT] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder. (default: the preset's, runs/NAME)")] = None,
@@ -328,8 +328,8 @@ class _LabelsCommand(typer.core.TyperCommand):
 
 @app.command("eval", cls=_LabelsCommand)
 def eval_(
-    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', run/checkpoint/export folders, model folders or Hub ids.")],
-    dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
+    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', 'realtext', 'smollm2-135m', run/checkpoint/export folders, model folders or Hub ids.")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, realtext, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
     labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models. (default: from the model names)")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
     n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences. (default: the dataset preset's)", min=1)] = None,

@@ -98,7 +98,7 @@ def _owt_preset() -> DatasetPreset:
 
 
 def presets() -> dict[str, DatasetPreset]:
-    """The named evaluation sets (`tiny`, `owt-val`, `pile`, `pile-filtered`)."""
+    """The named evaluation sets (`tiny`, `realtext`, `owt-val`, `pile`, `pile-filtered`)."""
     return {
         "tiny": DatasetPreset("tiny", "the bundled tiny model's held-out synthetic text", "tiny", "tiny", None, None),
         "realtext": DatasetPreset("realtext", "held-out Django documentation (the realtext model's split)",

@@ -74,13 +74,17 @@ Run configuration: see `lnfree_removal.json` in this repository.
 """
 
 
+#: lnfree's own models and corpora, which are not on the Hub.
+BUNDLED = ("tiny", "realtext")
+
+
 class PushError(ValueError):
     """An export that cannot be pushed as asked."""
 
 
 def base_license(base_model: str) -> str | None:
-    """The license of the base model: 'mit' for lnfree's own tiny model, else from its card."""
-    if base_model == "tiny":
+    """The license of the base model: 'mit' for lnfree's bundled models, else from its card."""
+    if base_model in BUNDLED:
         return "mit"
     local = Path(base_model) / "README.md"
     try:
@@ -142,9 +146,9 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
                 dataset_split="held-out", metric_type="cross_entropy", metric_name="held-out cross-entropy (nats)",
                 metric_value=round(value, 4)))
     card_data = ModelCardData(
-        base_model=None if base_model == "tiny" else base_model,
-        base_model_relation=None if base_model == "tiny" else "finetune",
-        datasets=None if data_source == "tiny" or Path(data_source).exists() else [data_source],
+        base_model=None if base_model in BUNDLED else base_model,
+        base_model_relation=None if base_model in BUNDLED else "finetune",
+        datasets=None if data_source in BUNDLED or Path(data_source).exists() else [data_source],
         license=base_license(base_model),
         pipeline_tag="text-generation",
         library_name="transformers",

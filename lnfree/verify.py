@@ -22,7 +22,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lnfree.arch import architecture
+from lnfree.export import RECORD
 from lnfree.load import LoadedModel, load
+from lnfree.models import resolve_model_source
 
 TOLERANCE = 1e-4
 
@@ -161,14 +163,14 @@ def export_fingerprint(model: nn.Module, folder: Path) -> dict:
 
 
 def _source_file(source: str, name: str) -> Path | None:
-    """A file of a local folder or Hub repo, or None when it does not exist or cannot be fetched."""
-    path = Path(str(source)) / name
-    if Path(str(source)).exists():
-        return path if path.is_file() else None
+    """A file of a local folder, bundled model or Hub repo; None when absent or not fetchable."""
+    location = Path(resolve_model_source(source))
+    if location.exists():
+        return location / name if (location / name).is_file() else None
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(str(source), name))
+        return Path(hf_hub_download(source, name))
     except Exception:  # absent from the repo, or no network: reported as "no record"
         return None
 
@@ -179,8 +181,6 @@ def check_fingerprint(source: str | Path, loaded: LoadedModel, tolerance: float 
     Without a recorded fingerprint (published checkpoints, older exports) nothing is compared and
     the note says that only internal consistency was checked.
     """
-    from lnfree.export import RECORD
-
     record_path = _source_file(str(source), RECORD)
     fingerprint = json.loads(record_path.read_text()).get("fingerprint") if record_path else None
     if not fingerprint:

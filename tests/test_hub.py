@@ -143,3 +143,9 @@ def test_card_of_a_fine_tune_names_the_relation_and_its_load_snippet_runs_exactl
         reference = namespace["lnfree"].load(export).model(input_ids=ids).logits
     assert (plain - reference).abs().max() <= 1e-4
     assert namespace["loaded"].model.dtype == torch.bfloat16
+
+
+def test_bundled_models_are_mit_licensed_and_not_named_as_hub_base_models():
+    from lnfree.hub import base_license
+
+    assert base_license("tiny") == base_license("realtext") == "mit"

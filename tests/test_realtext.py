@@ -1,0 +1,89 @@
+"""The bundled realtext model: loads by name, round-trips text, and its summary is reproducible."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lnfree.config import load_preset
+from lnfree.data import prepare_data
+from lnfree.models import load_base
+from lnfree.realtext import REALTEXT_MODEL_DIR, CorpusError, load_documents, sdist_path, split_documents
+from lnfree.realtext.corpus import SDIST_NAME
+from lnfree.tiny import encode_documents
+
+SUMMARY = json.loads((REALTEXT_MODEL_DIR / "training_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_base("realtext")
+
+
+@pytest.fixture(scope="module")
+def documents():
+    return load_documents()  # the sdist from the cache, fetched with pip the first time
+
+
+def test_loads_by_name_as_a_small_gpt2_with_layernorm(base):
+    model, tokenizer = base
+    c = model.config
+    assert (c.n_layer, c.n_embd, c.n_positions, c.vocab_size) == (4, 128, 256, len(tokenizer))
+    assert 2000 <= c.vocab_size <= 8192 and c.layer_norm_epsilon == 1e-5
+    assert type(model.transformer.ln_f) is torch.nn.LayerNorm
+    assert tokenizer.eos_token_id == c.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_tokenizer_round_trips_any_text_and_compresses_english(base):
+    _, tokenizer = base
+    text = "Django's ORM — naïve `QuerySet`s,\ttabs,  double spaces\n\n中文 and 🙂; <|endoftext|>-free."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    prose = "The view function returns an HTTP response object, which Django sends to the browser."
+    assert len(tokenizer(prose)["input_ids"]) < len(prose) / 3
+
+
+def test_summary_split_and_heldout_ce_are_reproducible(base, documents):
+    model, tokenizer = base
+    train, heldout = split_documents(list(documents))
+    assert heldout == SUMMARY["data"]["heldout_documents"] and not set(train) & set(heldout)
+    stream = encode_documents(tokenizer, [documents[n] for n in heldout])
+    assert len(stream) == SUMMARY["heldout_tokens"]
+    ids = torch.tensor(stream[: 16 * 256]).view(16, 256)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    # fp32 means of 255 terms: machines differ by ~1e-6, a wrong model or text by far more.
+    assert ce.tolist() == pytest.approx(SUMMARY["heldout_ce_first_16_chunks"], abs=1e-4)
+    assert SUMMARY["heldout_ce"] < SUMMARY["log_vocab"] - 3  # far below the uniform guess (log vocab)
+
+
+def test_data_source_realtext_uses_the_models_own_split(base, documents, tmp_path):
+    _, tokenizer = base
+    config = load_preset("realtext").data.model_copy(update={"max_documents": 10, "cache_dir": str(tmp_path)})
+    data = prepare_data(config, tokenizer, 256, len(tokenizer))
+    train, heldout = split_documents(list(documents))
+    expected = encode_documents(tokenizer, [documents[n] for n in heldout])
+    assert data.held_out.reshape(-1).tolist() == expected[: data.held_out.size]
+    first_train = encode_documents(tokenizer, [documents[n] for n in train[:10]])  # max_documents=10
+    assert data.train.reshape(-1).tolist() == first_train[: data.train.size]
+
+
+def test_eval_dataset_realtext_reads_the_heldout_documents(base, documents, tmp_path):
+    from lnfree.analysis.common import evaluation_tokens
+
+    _, tokenizer = base
+    tokens = evaluation_tokens(tokenizer, source="realtext", n_sequences=4, length=256, cache_dir=str(tmp_path))
+    _, heldout = split_documents(list(documents))
+    expected = encode_documents(tokenizer, [documents[n] for n in heldout])[: 4 * 256]
+    assert tokens.reshape(-1).tolist() == expected
+
+
+def test_a_missing_or_altered_corpus_names_the_fix(tmp_path):
+    with pytest.raises(CorpusError, match=r"pip download --no-deps --no-binary :all: django==5\.2\.8 -d"):
+        sdist_path(tmp_path, download=False)
+    (tmp_path / SDIST_NAME).write_bytes(b"not the sdist")
+    with pytest.raises(CorpusError, match="sha256"):
+        sdist_path(tmp_path)
