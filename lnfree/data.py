@@ -172,7 +172,8 @@ def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, d
     stream.flush()
     del stream
     os.replace(tmp, out)
-    return {"tokens": total, "documents": len(dataset), "eot": eots}
+    rows_are_documents = "input_ids" not in dataset.column_names  # pre-tokenised rows are not documents
+    return {"tokens": total, "documents": len(dataset) if rows_are_documents else None, "eot": eots}
 
 
 @dataclass
@@ -224,8 +225,8 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
         return _token_data(stream[:cut], stream[cut:], context_length, eot, f"{path} (pre-tokenised)", stats)
     key_fields = {
         "format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
-        **config.model_dump(include={"source", "document_separator", "revision", "split", "text_field", "val_fraction", "val_seed",
-                                     "max_documents"}),
+        **config.model_dump(include={"source", "document_separator", "revision", "split", "text_field",
+                                     "val_fraction", "val_seed", "max_documents"}),
     }
     if Path(config.source).expanduser().exists():
         stat = Path(config.source).expanduser().stat()
