@@ -76,6 +76,12 @@ def resolve_model_source(name: str) -> str:
 
 def load_config(name: str):
     """The model's config, with one clear error for anything lnfree does not support."""
+    from lnfree.sources import SourceError, check_model_source
+
+    try:
+        check_model_source(name)
+    except SourceError as err:
+        raise ModelError(str(err)) from None
     source = resolve_model_source(name)
     try:
         config = AutoConfig.from_pretrained(source)

