@@ -75,6 +75,7 @@ def test_check_compares_the_headline_numbers_with_tolerances_from_each_quantity(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_tiny_reproduction_regenerates_the_committed_numbers():
     """Removal + control, verify, eval and every analysis, rerun and compared on the headline numbers.
 
