@@ -193,7 +193,7 @@ def _matches(pattern: str, key: str) -> bool:
 
 
 def compare(committed: Path, fresh: Path) -> list[str]:
-    """Differences between two results folders in the numbers a reader relies on (:data:`HEADLINES`, :data:`RANKINGS`)."""
+    """Differences between two results folders in what a reader relies on (:data:`HEADLINES`, :data:`RANKINGS`)."""
     committed, fresh = REPO / committed, REPO / fresh
     numbers = {}
     for name in {file for file, *_ in HEADLINES}:
