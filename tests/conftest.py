@@ -112,5 +112,6 @@ def own_corpus(names, places, objects, n: int = 300, seed: int = 0) -> list[str]
     for _ in range(n):
         a, b = rng.sample(list(names), 2)
         place, obj = rng.choice(list(places)), rng.choice(list(objects))
-        text.append(f"Then, {a} and {b} went to the {place}. {a} gave {'an' if obj[0] in 'aeiou' else 'a'} {obj} to {b}.")
+        article = "an" if obj[0] in "aeiou" else "a"
+        text.append(f"Then, {a} and {b} went to the {place}. {a} gave {article} {obj} to {b}.")
     return text

@@ -85,11 +85,32 @@ def test_analyze_all_skips_what_a_model_cannot_support_and_says_why(tmp_path):
 
 def test_analyze_runs_without_bootstrap_and_reports_bad_input(tiny_ln_free_export, model_dir, tmp_path):
     ok = runner.invoke(app, ["analyze", "residual", "--models", "tiny", *SMALL, "--n-bootstrap", "0",
-                             "--out", str(tmp_path / "a")])
+                             "--no-progress", "--out", str(tmp_path / "a")])
     assert ok.exit_code == 0, ok.output
+    assert "pass" not in ok.stderr  # no progress bar
     unknown = runner.invoke(app, ["analyze", "attention", "--models", "tiny", "--out", str(tmp_path / "b")])
     assert unknown.exit_code == 2 and "unknown analysis 'attention'" in unknown.output
     none = runner.invoke(app, ["analyze", "dla", "--out", str(tmp_path / "c")])
     assert none.exit_code == 2 and "at least one model" in none.output
     mixed = runner.invoke(app, ["analyze", "dla", "--models", "tiny", str(model_dir), *SMALL, "--out", str(tmp_path / "d")])
     assert mixed.exit_code == 2 and "different vocabularies" in mixed.output
+
+
+def test_quiet_libraries_silences_other_libraries_for_the_block_only():
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from lnfree.analysis.common import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_libraries():
+            warnings.warn_explicit("theirs", UserWarning, "bridge.py", 1, module="transformer_lens.model_bridge")
+            warnings.warn_explicit("ours", UserWarning, "dla.py", 1, module="lnfree.analysis.dla")
+            assert not logging.getLogger("transformer_lens").isEnabledFor(logging.WARNING)
+            assert not hf_logging.is_progress_bar_enabled()  # transformers' weight-loading bars
+        warnings.warn_explicit("after", UserWarning, "bridge.py", 2, module="transformer_lens.model_bridge")
+    assert [str(w.message) for w in caught] == ["ours", "after"]
+    assert logging.getLogger("transformer_lens").isEnabledFor(logging.WARNING) and hf_logging.is_progress_bar_enabled()

@@ -47,7 +47,8 @@ def run_analyses(
         models = load_models(sources, labels, device=device)
         vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
         if len(set(vocab.values())) > 1:
-            raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same tokens")
+            raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same "
+                             "tokens")
         if len({tokenizer_fingerprint(m.tokenizer) for m in models}) > 1:
             raise ValueError("the models' tokenizers differ; analyses compare models on the same tokens")
         tokens = None

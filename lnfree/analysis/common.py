@@ -234,7 +234,7 @@ def _local_plotly_js(out_dir: Path) -> str:
 
 
 def write_figure(figure, out_dir: str | Path, name: str) -> list[Path]:
-    """Write a plotly figure as HTML (always, working offline) and PNG (when a static exporter such as kaleido works)."""
+    """Write a plotly figure as HTML (always; opens offline) and PNG (when a static exporter such as kaleido works)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     html = out_dir / f"{name}.html"

@@ -351,7 +351,7 @@ def _tokenise_pair(tokenizer, template: str, base: dict[str, str], bos: list[int
 
 
 def _aligned_templates(templates: tuple[str, ...], layouts: list) -> tuple[tuple[str, ...], tuple, dict[str, str]]:
-    """The largest group of templates sharing one layout (ties: the earliest template's), it, and why others were dropped."""
+    """The largest group of templates sharing a layout (ties: the earliest), the layout, and why others were dropped."""
     groups: dict[tuple, list[str]] = {}
     for template, layout in zip(templates, layouts):
         if layout is not None:
