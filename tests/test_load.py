@@ -148,3 +148,42 @@ def test_lnfree_load_is_callable_from_the_package(tiny_ln_free_export):
     loaded = lnfree.load(tiny_ln_free_export)
     assert isinstance(loaded, LoadedModel) and loaded.fully_ln_free
     assert lnfree.load("tiny").kind == "plain model"
+
+
+def test_a_mixed_published_checkpoint_is_refused_not_guessed(tokenizer, tmp_path):
+    folder = write_export(removed(tokenizer), tokenizer, tmp_path / "export", {})
+    plain = GPT2LMHeadModel.from_pretrained(folder)
+    plain.config.layer_norm_epsilon = 1e-5  # a published file whose config kept the small eps
+    with torch.no_grad():
+        plain.transformer.h[0].ln_2.weight.fill_(1.0)  # one norm not in the eps-trick format
+    plain.save_pretrained(tmp_path / "mixed")
+    tokenizer.save_pretrained(tmp_path / "mixed")
+    with pytest.raises(LoadError, match="refusing to guess"):
+        load(tmp_path / "mixed")
+
+
+def test_a_folder_holding_lnfree_norms_is_recognised(tokenizer, tmp_path):
+    from safetensors.torch import save_model
+
+    model = removed(tokenizer)
+    folder = tmp_path / "saved"
+    model.config.save_pretrained(folder)  # what save_pretrained of an installed model wrote before it refused
+    save_model(model, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(LoadError, match="saved by save_pretrained"):
+        load(folder)
+
+
+def test_sigma_measurement_starts_from_an_empty_accumulator(tokenizer):
+    model = surgery.install(small_gpt2(vocab_size=len(tokenizer)))
+    ids = torch.randint(0, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(1))
+    surgery.initialise_sigmas(model, [ids])
+    clean = {name: float(s.sigma) for name, s in surgery.scale_states(model).items()}
+    model.train()
+    with torch.no_grad():
+        model(input_ids=ids * 0 + 3)  # a user's no-grad metric in train mode gathers nothing
+    for state in surgery.scale_states(model).values():
+        state.stats[0] += 1e6  # statistics left over from anything else
+        state.stats[1] += 1
+    surgery.initialise_sigmas(model, [ids])
+    assert {name: float(s.sigma) for name, s in surgery.scale_states(model).items()} == pytest.approx(clean)
