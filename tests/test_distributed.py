@@ -41,7 +41,7 @@ def two_processes_match_one(config, tmp_path):
          str(worker), str(config_file), str(result_file)],
         env=env, capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-20000:]
     result = json.loads(result_file.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     rank0, rank1 = (torch.tensor(s) for s in result["sigmas"])

@@ -185,7 +185,7 @@ def test_plain_form_refuses_an_eps_trick_file_whose_config_says_1e5(tiny_ln_free
     config = json.loads((stale / "config.json").read_text())
     config["layer_norm_epsilon"] = 1e-5  # the published checkpoints' trap: modules rebuilt with eps 1e-5
     (stale / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ev.EvalError, match="eps-trick LayerNorm weights but eps"):
+    with pytest.raises(ev.EvalError, match="eps-trick norm weights but eps"):
         ev.evaluate([str(stale)], "tiny", form="plain", n_sequences=2, device="cpu", cache_dir=cache)
     hf = ev.evaluate([str(stale)], "tiny", form="hf", n_sequences=4, device="cpu", cache_dir=cache, n_resamples=5)
     good = ev.evaluate([str(tiny_ln_free_export)], "tiny", form="hf", n_sequences=4, device="cpu", cache_dir=cache,
@@ -250,8 +250,8 @@ def test_datasets_local_files_and_streamed_hub_sets(tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     eot = tokenizer.eos_token_id
     docs = ["Lucy saw a cat. The cat sang.", "Adam went to the beach.", "The parrot said, hello."] * 4
-    (tmp_path / "docs.txt").write_text("\n\n".join(docs))
-    stream = [t for d in docs for t in tokenizer(d)["input_ids"] + [eot]]
+    (tmp_path / "docs.txt").write_text("\n\n".join(docs))  # a .txt file is one document
+    stream = tokenizer("\n\n".join(docs))["input_ids"] + [eot]
     spec = ev.resolve_dataset(str(tmp_path / "docs.txt"))
     got = ev.load_sequences(spec, tokenizer, context=8, n_sequences=None, vocab_size=len(tokenizer))
     assert got.tolist() == np.asarray(stream[: len(stream) // 8 * 8]).reshape(-1, 8).tolist()
