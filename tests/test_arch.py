@@ -211,3 +211,31 @@ def test_family_presets_remove_every_slot_of_their_model_within_the_run(preset, 
     slots = {s for site in arch.sites() for s in site.slots}
     events = config.removal.schedule.check(depth, config.train.max_steps, slots=slots)
     assert {e.slot for e in events} == slots
+
+
+def test_export_chooses_eps_from_massive_activations_and_stays_exact(tokenizer, tmp_path):
+    import json
+
+    from lnfree.export import choose_eps, to_eps_trick
+
+    vocab = len(tokenizer)
+    model = tiny_family("llama", vocab_size=vocab)
+    with torch.no_grad():  # a massive activation, as Llama-family models carry at sink tokens
+        model.model.embed_tokens.weight[5] *= 2e4
+    x = ids(vocab)
+    x[:, 3] = 5
+    fully_fixed(surgery.install(model), vocab)
+    with torch.no_grad():
+        reference = model(input_ids=x).logits
+    folder = write_export(model, tokenizer, tmp_path / "export", {}, probe=x)
+    record = json.loads((folder / "lnfree_removal.json").read_text())
+    peak = record["eps_choice"]["peak_norm_input"]
+    assert peak > 1e5 and record["eps"] == choose_eps(peak) > 1e12
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    relative = lambda logits: ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).max()  # noqa: E731
+    with torch.no_grad():
+        assert relative(plain(input_ids=x).logits) <= 1e-5
+        naive = to_eps_trick(model, eps=1e12)  # the published eps is not enough here
+        assert relative(naive(input_ids=x).logits) > 1e-4
+    for name, param in plain.named_parameters():
+        assert torch.isfinite(param).all() and torch.isfinite(param.bfloat16()).all(), name
