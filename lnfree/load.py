@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lnfree import surgery
 from lnfree.arch import Architecture, architecture

@@ -7,13 +7,11 @@ import os
 import stat
 import time
 
-import pytest
 import torch
 import typer.main
 from transformers import GPT2LMHeadModel
 from typer.testing import CliRunner
 
-from conftest import quick_run_config
 
 from lnfree.cli import app
 from lnfree.config import load_preset
