@@ -210,3 +210,23 @@ def test_install_refuses_other_models_and_double_installs():
         surgery.install(model)
     with pytest.raises(ValueError, match="supported families"):
         surgery.install(torch.nn.Linear(2, 2))
+
+
+def test_rmsnorm_slots_equal_the_hand_computed_fixed_scale_norm():
+    from families import tiny_family
+
+    model = surgery.install(tiny_family("llama"))
+    layer = model.model.layers[0]
+    norm = layer.input_layernorm
+    x = torch.randn(2, 5, 32) * 3
+    reference = layer.self_attn.q_proj.weight @ (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.qk.eps)
+                                                  * norm.weight).unsqueeze(-1)
+    torch.testing.assert_close(layer.self_attn.q_proj(x), reference.squeeze(-1), rtol=1e-5, atol=1e-5)
+    norm.qk.sigma.fill_(2.5)
+    norm.qk.switch_to_fake()
+    fixed = (layer.self_attn.q_proj.weight @ (x / 2.5 * norm.weight).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(layer.self_attn.q_proj(x), fixed, rtol=1e-5, atol=1e-5)
+    post = layer.post_attention_layernorm
+    post.state.sigma.fill_(4.0)
+    post.state.switch_to_fake()
+    torch.testing.assert_close(post(x), x / 4.0 * post.weight, rtol=1e-6, atol=1e-6)
