@@ -91,8 +91,7 @@ def install(
             model.set_submodule(site.module, split)
             for consumer in site.consumers:
                 proj = model.get_submodule(consumer.path)
-                width = proj.weight.shape[1] if arch.conv1d else proj.weight.shape[0]
-                selector = column_selector(consumer.v_columns, width)
+                selector = column_selector(consumer.v_columns)
                 model.set_submodule(consumer.path, NormalisedProjection(proj, split, selector, arch.conv1d).to(device))
         else:
             state = ScaleState(eps, arch.norm_kind, special_pos0=pos0).to(device)
@@ -120,12 +119,9 @@ def scale_states(model: nn.Module) -> dict[str, ScaleState]:
     return states
 
 
-def norm_input_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(slot names, module) of every installed module whose forward receives a norm's input."""
-    out = []
-    for site in architecture(model).sites():
-        out.append((site.slots, model.get_submodule(site.module)))
-    return out
+def norm_input_modules(model: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
+    """(slot names, module) of every installed norm module; each one's forward receives the norm's input."""
+    return [(site.slots, model.get_submodule(site.module)) for site in architecture(model).sites()]
 
 
 def _summed_stats(states: Iterable[ScaleState]) -> torch.Tensor:

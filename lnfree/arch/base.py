@@ -151,7 +151,7 @@ def set_norm_eps(module: nn.Module, value: float) -> None:
     raise TypeError(f"{type(module).__name__} is not a LayerNorm or RMSNorm")
 
 
-def column_selector(v_columns: Any, width: int) -> Any:
+def column_selector(v_columns: Any) -> Any:
     """A `Consumer.v_columns` as what `NormalisedProjection` takes (tuples become index tensors)."""
     if isinstance(v_columns, tuple):
         return torch.tensor(v_columns, dtype=torch.long)
