@@ -1,8 +1,8 @@
 """The removal schedule as data: stages that expand to an ordered list of events.
 
 A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`, `ln_1qk`,
-`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time from block 0 up, `gap` steps apart; `ln_f` is one switch;
-`eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without
+`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time from block 0 up, `gap` steps
+apart; `ln_f` is one switch; `eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without
 `start` begins where the previous stage ends: previous start + (switches in it) · gap.
 An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
 at the value the EMA reached after step s − 1.
