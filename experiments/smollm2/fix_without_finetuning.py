@@ -37,11 +37,22 @@ def main() -> None:
     surgery.initialise_sigmas(model, measure.split(4))
     states = surgery.scale_states(model)
 
-    def ce() -> float:
+    def forward() -> tuple[float, torch.Tensor]:
         with torch.no_grad():
-            return float(model(input_ids=score, labels=score).loss)
+            out = model(input_ids=score, labels=score, output_hidden_states=True)
+        return float(out.loss), torch.stack(out.hidden_states).norm(dim=-1)  # [layers + 1, batch, pos]
 
-    curve = [{"fixed": "nothing", "ce": ce()}]
+    def point(fixed: str) -> dict:
+        loss, norms = forward()
+        ratio = (norms / baseline).nan_to_num(nan=float("inf")).amax(dim=0).flatten()  # worst layer per token
+        worst = int(ratio.argmax())
+        return {"fixed": fixed, "ce": loss, "max_residual_growth": float(ratio[worst]),
+                "position": worst % score.shape[1], "token": tokenizer.decode(score.flatten()[worst]),
+                "token_norm_all_real": float(baseline.amax(dim=0).flatten()[worst]),
+                "median_norm_all_real": float(baseline.amax(dim=0).median())}
+
+    _, baseline = forward()
+    curve = [point("nothing")]
     n_layers = sum(1 for name in states if name.endswith(".ln_2"))
     order = [[f"blocks.{i}.ln_2"] for i in range(n_layers)]
     order += [[f"blocks.{i}.ln_1qk", f"blocks.{i}.ln_1v"] for i in range(n_layers)]
@@ -49,11 +60,14 @@ def main() -> None:
     for slots in order:
         for slot in slots:
             states[slot].switch_to_fake()
-        curve.append({"fixed": "+".join(slots), "ce": ce()})
-        print(f"{curve[-1]['fixed']:>32}: CE {curve[-1]['ce']:.3f}", flush=True)
+        curve.append(point("+".join(slots)))
+        p = curve[-1]
+        print(f"{p['fixed']:>32}: CE {p['ce']:.3f}, residual ×{p['max_residual_growth']:.3g} at position "
+              f"{p['position']} ({p['token']!r}, all-real norm {p['token_norm_all_real']:.0f}, median "
+              f"{p['median_norm_all_real']:.0f})", flush=True)
     for state in states.values():
         state.disable_special("pos0")
-    curve.append({"fixed": "position 0's own σ off", "ce": ce()})
+    curve.append(point("position 0's own σ off"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"scored_tokens": score.shape[0] * (score.shape[1] - 1), "curve": curve}, indent=1))
     print(f"→ {args.out}")
