@@ -1,6 +1,7 @@
-"""lnfree: remove LayerNorm from pretrained GPT-2 models by fine-tuning, and study them side by side.
+"""lnfree: remove LayerNorm / RMSNorm from pretrained language models by fine-tuning, and study them side by side.
 
-`lnfree.load(source)` loads any GPT-2 checkpoint (see `lnfree.load.load`); the heavy imports
+Supported families: GPT-2, Llama / Mistral / Qwen2, Qwen3, GPT-NeoX / Pythia (`lnfree.arch`).
+`lnfree.load(source)` loads any checkpoint of them (see `lnfree.load.load`); the heavy imports
 happen on first use, so `import lnfree` stays fast.
 """
 

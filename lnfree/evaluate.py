@@ -1,4 +1,4 @@
-"""`lnfree.evaluate`: per-token cross-entropy of GPT-2 models on identical tokens, and how they differ.
+"""`lnfree.evaluate`: per-token cross-entropy of models on identical tokens, and how they differ.
 
 One scored-token convention for every model, format and dataset (``SCORING_CONVENTION``): a
 sequence of L tokens scores its L−1 next-token predictions. The target at position t (1 ≤ t < L)

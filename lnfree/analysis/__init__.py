@@ -1,4 +1,4 @@
-"""Interpretability analyses of original, vanilla fine-tuned and LN-free GPT-2 models.
+"""Interpretability analyses of original, vanilla fine-tuned and LN-free models (every family of `lnfree.arch`).
 
 Each analysis module exposes ``run(models, out_dir, ...) -> dict``: it takes a list of
 :class:`lnfree.analysis.common.AnalysisModel` (typically original, vanilla, LN-free), writes tidy
