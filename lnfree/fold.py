@@ -95,8 +95,8 @@ def fold(model: nn.Module) -> nn.Module:
         raise FoldError("a special σ (position 0 / EOT) is active; it cannot be folded into weights")
     config = copy.deepcopy(model.config)
     config.tie_word_embeddings = False
-    dtype = next(model.parameters()).dtype
-    folded = surgery.original_class(model)(config).to(dtype).eval()
+    reference = next(model.parameters())
+    folded = surgery.original_class(model)(config).to(device=reference.device, dtype=reference.dtype).eval()
     wanted = folded.state_dict()
     folded.load_state_dict({k: v for k, v in model.state_dict().items() if k in wanted}, strict=False)
     if arch.tied:  # the head must be its own parameter before the final norm folds into it
