@@ -130,9 +130,8 @@ def remove(
 ) -> None:
     """Fine-tune a model while removing its norms one by one, then export it LN-free."""
     from lnfree.config import with_overrides
-    from lnfree.export import export_run
     from lnfree.sources import check_model_source
-    from lnfree.train import quiet_libraries, run
+    from lnfree.train import close_distributed
 
     _show_messages()
     with _user_errors():
@@ -152,6 +151,18 @@ def remove(
         cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
     run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
     started = time.perf_counter()
+    try:
+        _remove_and_report(cfg, resume, overwrite, run_control, started)
+    finally:
+        close_distributed()
+
+
+def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, started: float) -> None:
+    """The removal (and control) runs, the export and the summary of `lnfree remove`."""
+    from lnfree.config import with_overrides
+    from lnfree.export import export_run
+    from lnfree.train import quiet_libraries, run
+
     with _user_errors(), quiet_libraries():
         result = run(cfg, resume=resume, overwrite=overwrite)
         control_result = None

@@ -113,6 +113,16 @@ def micro_batches(train: TrainConfig, context: int, world: int) -> tuple[int, in
     return micro, per_process // micro
 
 
+def close_distributed() -> None:
+    """Tear down the process group torchrun / accelerate started, after the last collective.
+
+    Without it a gloo worker can abort at interpreter exit ("terminate called without an active
+    exception", exit code -6) after a run that finished correctly. Local to each process.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def learning_rate(step: int, config: RunConfig) -> float:
     """Linear warm-up to the peak, then cosine decay to the minimum over `cosine_steps`."""
     train = config.train

@@ -1,6 +1,7 @@
 """Run under torchrun: one lnfree run, then gather every rank's σ into a JSON file (rank 0)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -8,7 +9,7 @@ import torch.distributed as dist
 
 from lnfree import surgery
 from lnfree.config import RunConfig
-from lnfree.train import run
+from lnfree.train import close_distributed, run
 
 config = RunConfig.model_validate_json(open(sys.argv[1]).read())
 result = run(config, progress=False)
@@ -22,3 +23,9 @@ if dist.get_rank() == 0:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
                    "sigmas": [g.tolist() for g in gathered], "fake": [f.tolist() for f in flags],
                    "held_out_ce_end": result.held_out_ce_end}, f)
+close_distributed()
+# Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate
+# called without an active exception", exit -6) after every result above had been written.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
