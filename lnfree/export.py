@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lnfree import __version__, surgery
 from lnfree.arch import architecture
 from lnfree.arch.base import set_norm_eps, v_mask
-from lnfree.arch.norms import ScaleState
+from lnfree.arch.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
 
 EPS_TRICK_EPS = 1e12
@@ -66,8 +66,7 @@ def norm_input_peaks(model: nn.Module, batches) -> dict[str, float]:
     handles = []
     for slots, module in surgery.norm_input_modules(model):
         def hook(mod, args, slots=slots):
-            x = args[0].detach().double()
-            m = x.var(-1, unbiased=False) if arch.norm_kind == "layer" else x.pow(2).mean(-1)
+            m = second_moment(args[0].detach().double(), arch.norm_kind)
             for slot in slots:
                 peaks[slot] = torch.maximum(peaks.get(slot, m.new_zeros(())), m.max())
         handles.append(module.register_forward_pre_hook(hook))
@@ -162,13 +161,6 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
     return plain
 
 
-def probe_tokens(config, n_sequences: int = 4, length: int = 64, seed: int = 0) -> torch.Tensor:
-    """Seeded random token ids for measurements when no real text is at hand."""
-    positions = architecture(config).n_positions or length
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (n_sequences, min(length, positions)), generator=generator)
-
-
 def write_export(
     model: nn.Module, tokenizer, out: str | Path, record: dict, *, allow_partial: bool = False,
     overwrite: bool = False, probe: torch.Tensor | None = None,
@@ -181,12 +173,13 @@ def write_export(
     failure leaves nothing behind.
     The record holds a fingerprint (weights sha256, probe logits) that `lnfree verify` checks.
     """
-    from lnfree.verify import export_fingerprint  # lnfree.verify imports this module
+    from lnfree.verify import export_fingerprint, sample_tokens  # lnfree.verify imports this module
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
-    probe = probe_tokens(model.config) if probe is None else probe
+    if probe is None:
+        probe = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 64, length=64)
     peaks = norm_input_peaks(model, probe.split(4))
     peak = max(peaks.values())
     eps = choose_eps(peak)

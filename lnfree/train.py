@@ -31,10 +31,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lnfree import surgery
+from lnfree.arch import architecture
+from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import StepBatches, TokenData, prepare_data
 from lnfree.models import load_base
-from lnfree.arch import architecture
 from lnfree.schedule import PER_LAYER_KINDS, Event, derive_schedule
 
 RUN_CONFIG = "run_config.json"
@@ -164,9 +165,7 @@ def auxiliary_loss(
     The target is the detached mean std over tokens that are neither at position 0 nor EOT
     (DESIGN.md §1); the loss covers every token, pulling the outliers towards the target.
     """
-    resid = resid.float()
-    second = resid.var(dim=-1, unbiased=False) if kind == "layer" else resid.pow(2).mean(dim=-1)
-    std = torch.sqrt(second + eps)
+    std = torch.sqrt(second_moment(resid.float(), kind) + eps)
     typical = input_ids != eot_token_id
     typical[:, 0] = False
     target = (std * typical).sum() / typical.sum().clamp_min(1)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tiny_pretrain"))
-from train_tiny import evaluate_ce  # noqa: E402  (the same packed-stream CE as the tiny model)
+from train_tiny import evaluate_ce, optimiser_step  # noqa: E402  (the tiny model's CE and step)
 
 from lnfree.realtext import corpus  # noqa: E402
 from lnfree.realtext import build_tokenizer  # noqa: E402
@@ -138,14 +138,8 @@ def main() -> None:
         # Random 256-token windows of the packed train stream (documents joined by EOT).
         offsets = torch.randint(0, len(stream) - CONTEXT, (args.batch_size,), generator=gen)
         batch = torch.stack([stream[o : o + CONTEXT] for o in offsets.tolist()])
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        loss = optimiser_step(model, optimizer, batch, lr_at(step, args), args.grad_clip)
+        ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
         pbar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr_at(step, args):.2e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             ce = evaluate_ce(model, heldout_stream, CONTEXT)

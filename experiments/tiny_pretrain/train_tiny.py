@@ -82,6 +82,19 @@ def evaluate_ce(model: GPT2LMHeadModel, stream: list[int], context: int, batch_s
     return total / count
 
 
+def optimiser_step(model: GPT2LMHeadModel, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float,
+                   grad_clip: float) -> float:
+    """One clipped optimiser step at learning rate `lr` on a batch of token windows; returns its loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model(input_ids=batch, labels=batch).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -153,14 +166,8 @@ def main() -> None:
             cursor, epochs = 0, epochs + 1
         batch = data[order[cursor : cursor + args.batch_size]]
         cursor += args.batch_size
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        loss = optimiser_step(model, optimizer, batch, lr_at(step, args), args.grad_clip)
+        ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
         pbar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr_at(step, args):.2e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             ce = evaluate_ce(model, eval_stream, CONTEXT)
@@ -183,7 +190,7 @@ def main() -> None:
         "tokens_seen": args.steps * args.batch_size * CONTEXT,
         "epochs_completed": epochs,
         "final_train_loss_ema": ema_loss,
-        "final_train_loss_last_batch": loss.item(),
+        "final_train_loss_last_batch": loss,
         "heldout_ce": heldout_ce,
         "heldout_tokens": len(heldout_stream),
         "log_vocab": math.log(len(tokenizer)),

@@ -67,12 +67,15 @@ class TokenContext:
         return pos0, eot
 
 
+def second_moment(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
+    """Per-token quantity the norm divides by the root of: variance (LayerNorm) or mean square (RMSNorm)."""
+    return x.var(dim=-1, unbiased=False) if kind == "layer" else x.pow(2).mean(dim=-1)
+
+
 def token_scale(x: torch.Tensor, kind: NormKind, eps: float) -> torch.Tensor:
     """Per-token scale as the real norm computes it (fp32, detached): std for LayerNorm, RMS for RMSNorm."""
     with torch.no_grad():
-        x = x.detach().float()
-        second = x.var(dim=-1, unbiased=False) if kind == "layer" else x.pow(2).mean(dim=-1)
-        return torch.sqrt(second + eps)
+        return torch.sqrt(second_moment(x.detach().float(), kind) + eps)
 
 
 def real_norm(x: torch.Tensor, kind: NormKind, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
