@@ -3,8 +3,8 @@
 After `install`, every norm of a supported model (see `lnfree.arch`) has named scale states
 ("slots"): `blocks.{i}.ln_1qk`, `blocks.{i}.ln_1v`, `blocks.{i}.ln_2`, Qwen3's
 `blocks.{i}.q_norm`/`k_norm`, and `ln_f`. No forward method is replaced: norms become
-`FixedScaleNorm`s, the attention-input norm a `SplitNorm` (identity forward) and every projection
-reading it a `NormalisedProjection` that applies it per path. Attention masks, the KV cache,
+`FixedScaleNorm`s, the attention-input norm a `SplitNorm` (the part of the norm its paths share)
+and every projection reading it a `NormalisedProjection` that finishes it per path. Attention masks, the KV cache,
 `generate()` and gradient checkpointing work as in the original model. State-dict keys are the
 original ones plus the scale-state buffers.
 """

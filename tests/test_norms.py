@@ -7,9 +7,11 @@ import copy
 import pytest
 import torch
 from conftest import small_gpt2
+from families import FAMILIES, tiny_family
 
 from lnfree import surgery
-from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
+from lnfree.arch import architecture
+from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, second_moment
 from lnfree.schedule import Event
 
 
@@ -72,7 +74,11 @@ def test_qk_and_v_paths_switch_independently():
     block = model.transformer.h[0]
     ln_1, c_attn = copy.deepcopy(block.ln_1), copy.deepcopy(block.attn.c_attn)
     split = SplitNorm(ln_1.weight, ln_1.bias, ScaleState(ln_1.eps), ScaleState(ln_1.eps))
-    qkv = NormalisedProjection(c_attn, split, slice(64, 96), in_out=True)
+    projection = NormalisedProjection(c_attn, split, slice(64, 96), in_out=True)
+
+    def qkv(x):  # the norm module sits before the projection, as in the model
+        return projection(split(x))
+
     qkv.qk, qkv.v = split.qk, split.v
     x = torch.randn(2, 6, 32) * 3
     reference = c_attn(ln_1(x))
@@ -213,20 +219,50 @@ def test_install_refuses_other_models_and_double_installs():
 
 
 def test_rmsnorm_slots_equal_the_hand_computed_fixed_scale_norm():
-    from families import tiny_family
-
     model = surgery.install(tiny_family("llama"))
     layer = model.model.layers[0]
     norm = layer.input_layernorm
     x = torch.randn(2, 5, 32) * 3
+
+    def q_proj(x):  # the attention-input norm module, then the projection reading it
+        return layer.self_attn.q_proj(norm(x))
+
     reference = layer.self_attn.q_proj.weight @ (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.qk.eps)
                                                   * norm.weight).unsqueeze(-1)
-    torch.testing.assert_close(layer.self_attn.q_proj(x), reference.squeeze(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_proj(x), reference.squeeze(-1), rtol=1e-5, atol=1e-5)
     norm.qk.sigma.fill_(2.5)
     norm.qk.switch_to_fake()
     fixed = (layer.self_attn.q_proj.weight @ (x / 2.5 * norm.weight).unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(layer.self_attn.q_proj(x), fixed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_proj(x), fixed, rtol=1e-5, atol=1e-5)
     post = layer.post_attention_layernorm
     post.state.sigma.fill_(4.0)
     post.state.switch_to_fake()
     torch.testing.assert_close(post(x), x / 4.0 * post.weight, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
+    """All real: one real norm feeds both paths' statistics. All fixed: the shared centred-times-weight
+    input with σ applied after the matmul equals the per-path computation (forced by an active pos0 σ
+    equal to σ)."""
+    model = surgery.install(tiny_family(family), special_pos0=True)
+    model.train()
+    x = torch.randint(0, 64, (2, 7))
+    norm = model.get_submodule(architecture(model).sites()[0].module)
+    seen = []
+    norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    model(input_ids=x)
+    scale = torch.sqrt(second_moment(seen[0].double(), norm.kind) + norm.qk.eps)
+    for state in (norm.qk, norm.v):
+        expected = torch.stack([scale[:, 1:].sum(), scale[:, 0].sum()]).float()
+        torch.testing.assert_close(state.stats[0, :2], expected, rtol=1e-5, atol=0)
+    model.eval()
+    for state in surgery.scale_states(model).values():
+        if state.has_pos0:
+            state.sigma_pos0.copy_(state.sigma)
+        state.switch_to_fake()
+    assert norm.mode() == "split"
+    per_path = model(input_ids=x).logits
+    surgery.apply_event(model, Event(0, "pos0_special"))
+    assert norm.mode() == "fixed"
+    torch.testing.assert_close(model(input_ids=x).logits, per_path, rtol=1e-5, atol=1e-5)

@@ -10,8 +10,9 @@ when it is switched.
 Three module swaps cover every family (`lnfree.arch` says which goes where):
 - `FixedScaleNorm` replaces a norm whose output feeds its consumers directly;
 - `SplitNorm` replaces the attention-input norm, whose Q/K and V paths are switched separately;
-  its forward is the identity and it owns the norm's parameters and both scale states;
-- `NormalisedProjection` replaces each projection reading a `SplitNorm`'s output and applies
+  it owns the norm's parameters and both scale states, and computes the part of the norm the
+  paths share (all of it while both are real, nothing while they differ);
+- `NormalisedProjection` replaces each projection reading a `SplitNorm`'s output and finishes
   that norm per output column (Q/K columns through one state, V columns through the other).
 Parameter names stay those of the replaced modules, so state-dict keys do not change.
 
@@ -85,6 +86,26 @@ def real_norm(x: torch.Tensor, kind: NormKind, weight: torch.Tensor, bias: torch
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def real_norm_and_rstd(
+    x: torch.Tensor, kind: NormKind, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real norm and the per-token reciprocal scale it multiplied by, shape (..., 1), computed once.
+
+    LayerNorm goes through `torch.native_layer_norm` (the kernel behind `F.layer_norm`), which returns
+    its reciprocal std. Autocast lists `layer_norm` but not `native_layer_norm`, so under autocast the
+    inputs are cast to fp32 here, as autocast would.
+    """
+    if kind == "layer":
+        if torch.is_autocast_enabled(x.device.type):
+            x, weight = x.float(), weight.float()
+            bias = bias.float() if bias is not None else None
+        out, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        return out, rstd
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * rstd).to(x.dtype), rstd
 
 
 def centre(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
@@ -161,7 +182,15 @@ class ScaleState(nn.Module):
     # ----- statistics -----
     def observe(self, x: torch.Tensor) -> None:
         """Accumulate the per-token scales of the norm input `x` (no host sync)."""
-        flat = token_scale(x, self.kind, self.eps)
+        self.accumulate(token_scale(x, self.kind, self.eps))
+
+    def observe_rstd(self, rstd: torch.Tensor) -> None:
+        """Accumulate the per-token scales from the reciprocal scales the real norm computed (no host sync)."""
+        with torch.no_grad():
+            self.accumulate(rstd.detach().squeeze(-1).float().reciprocal())
+
+    def accumulate(self, flat: torch.Tensor) -> None:
+        """Add per-token scales `flat` (shape of the tokens) to the accumulator, per token group (no host sync)."""
         with torch.no_grad():
             if not self.wants_context:
                 self.stats[0, GENERAL] += flat.sum()
@@ -249,17 +278,26 @@ class FixedScaleNorm(nn.Module):
         self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.state.gathering:
-            self.state.observe(x)
-        return self.state.normalise(x, self.weight, self.bias)
+        state = self.state
+        if state.gathering:  # the statistics come from the norm's own reciprocal scale
+            out, rstd = real_norm_and_rstd(x, state.kind, self.weight, self.bias, state.eps)
+            state.observe_rstd(rstd)
+            return out
+        return state.normalise(x, self.weight, self.bias)
 
 
 class SplitNorm(nn.Module):
     """The attention-input norm with separate scale states for the Q/K and the V path.
 
-    Its forward is the identity (it sits where the norm was, so the attention module receives the
-    raw residual stream) and gathers both paths' statistics; the `NormalisedProjection`s reading
-    it apply the norm per path. It owns the norm's `weight` (and `bias`) under the original names.
+    It sits where the norm was and owns the norm's `weight` (and `bias`) under the original names;
+    the `NormalisedProjection`s reading its output finish the norm per path. What it returns
+    depends on `mode()` (Python mirrors only, so no host sync and the same answer on a
+    checkpointing recompute):
+    - "real" (both paths real): the real norm, computed once for every projection; its reciprocal
+      scale feeds both paths' statistics;
+    - "fixed" (both fixed, one σ each): the part of the norm shared by the paths, centred input
+      times weight; each projection divides its columns by their path's σ after the matmul;
+    - "split" (anything else): the raw input; each projection normalises per path.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qk: ScaleState, v: ScaleState):
@@ -273,7 +311,28 @@ class SplitNorm(nn.Module):
     def kind(self) -> NormKind:
         return self.qk.kind
 
+    def mode(self) -> Literal["real", "fixed", "split"]:
+        """How the norm is shared between the paths (see the class docstring)."""
+        qk, v = self.qk, self.v
+        if not qk.is_fake and not v.is_fake:
+            return "real"
+        if qk.is_fake and v.is_fake and not qk.wants_context and not v.wants_context:
+            return "fixed"
+        return "split"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = self.mode()
+        if mode == "real":
+            if not self.qk.gathering:
+                return real_norm(x, self.kind, self.weight, self.bias, self.qk.eps)
+            out, rstd = real_norm_and_rstd(x, self.kind, self.weight, self.bias, self.qk.eps)
+            self.qk.observe_rstd(rstd)
+            self.v.observe_rstd(rstd)
+            return out
+        if mode == "fixed":
+            if self.kind == "rms":  # as transformers: the product in fp32, cast back
+                return (x.float() * self.weight.float()).to(x.dtype)
+            return centre(x, "layer") * self.weight
         for state in (self.qk, self.v):
             if state.gathering:
                 state.observe(x)
@@ -338,14 +397,17 @@ class NormalisedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
         shape = x.shape[:-1] + (self.out_features,)
+        mode = norm.mode()
+        if mode == "real":  # `x` is the real norm's output: one matmul
+            return self._project(x, slice(None)).view(shape)
         paths = [p for p in ("qk", "v") if not _empty(self._columns(p), self.out_features)]
         states = [norm.path(p) for p in paths]
+        if mode == "fixed":  # `x` is the centred input times the weight
+            return self._fixed_columns(x, paths, states).view(shape)
         if len(paths) == 1 or not any(s.is_fake for s in states):
             # One scale for every column (one path, or both real): normalise once, one matmul.
             h = states[0].normalise(x, norm.weight, norm.bias)
             return self._project(h, slice(None)).view(shape)
-        if all(s.is_fake and not s.wants_context for s in states):
-            return self._fixed_columns(x, states).view(shape)
         parts = []
         for path, state in zip(paths, states):
             columns = self._columns(path)
@@ -358,25 +420,28 @@ class NormalisedProjection(nn.Module):
             out = torch.cat([part for _, part in parts], dim=-1)
         return out.view(shape)
 
-    def _fixed_columns(self, x: torch.Tensor, states: list[ScaleState]) -> torch.Tensor:
-        """Both paths fixed, one σ each: ((c(x)·w) @ W) / σ_path + (b @ W + bias), one matmul."""
-        norm = self.norm
-        scale = torch.empty(self.out_features, dtype=states[0].sigma.dtype, device=x.device)
-        for path, state in zip(("qk", "v"), states):
-            scale[self._columns(path)] = state.sigma.reciprocal()
-        flat = x.reshape(-1, x.shape[-1])
-        w = self.matrix()
-        if norm.kind == "rms":
-            projected = torch.mm((flat.float() * norm.weight.float()).to(x.dtype), w)
+    def _fixed_columns(self, h: torch.Tensor, paths: list[str], states: list[ScaleState]) -> torch.Tensor:
+        """Every path fixed, one σ each, `h` = centred input × weight: (h @ W) / σ_path + (b @ W + bias).
+
+        One matmul; the division by σ and both biases are one fused multiply-add on its output.
+        """
+        if len(states) == 1:
+            scale = states[0].sigma.reciprocal()
         else:
-            projected = torch.mm(centre(flat, "layer") * norm.weight, w)
+            scale = torch.empty(self.out_features, dtype=states[0].sigma.dtype, device=h.device)
+            for path, state in zip(paths, states):
+                scale[self._columns(path)] = state.sigma.reciprocal()
+        w = self.matrix()
+        projected = torch.mm(h.reshape(-1, h.shape[-1]), w)
         bias = self.bias
-        if norm.bias is not None:
-            folded = torch.mv(w.t(), norm.bias)
+        norm_bias = self.norm.bias
+        if norm_bias is not None:
+            folded = norm_bias @ w
             bias = folded if bias is None else bias + folded
+        scale = scale.to(projected.dtype)
         if bias is None:
-            return projected * scale.to(projected.dtype)
-        return torch.addcmul(bias, projected, scale.to(projected.dtype))
+            return projected * scale
+        return torch.addcmul(bias.to(projected.dtype), projected, scale)
 
 
 def _empty(columns, width: int) -> bool:
