@@ -1,11 +1,25 @@
-"""Training-step time of the removal model (all norms real / all fake) relative to plain GPT-2.
+"""Training-step and per-site cost of lnfree's norms relative to the plain model, robust to machine load.
 
-A GPT-2-small-shaped model (12 × 768, random init) on CPU with short sequences. One step is
-forward + backward + AdamW + (for the removal model) the σ update. The three variants are
-timed interleaved, round-robin with the order rotated every round, so drift in machine load hits all of them alike; the script
-prints the median of each and the ratios to the plain model.
+Full step (forward + backward + AdamW, plus the σ update for the removal models) at a GPT-2-small
+shape and a Llama-family shape (SmolLM2-135M's), random weights, `--batch` × `--seq` tokens:
+- plain: the transformers model with its own LayerNorm / RMSNorm (the baseline of every ratio);
+- lnfree all real / all fixed: the installed model with every slot real (statistics gathered)
+  or every slot fixed;
+- published FakeLayerNorm (GPT-2 only): a re-implementation of the research code's approach, a
+  real LayerNorm per norm that gathers its std with a host sync (`.item()`) every training
+  forward and, once fake, centres and divides by a stored Python float;
+- compiled (`--compile`): `torch.compile` of the plain model and of the lnfree models.
 
-    python benchmarks/step_time.py [--steps 15] [--batch 4] [--seq 64] [--threads 2]
+Per site (forward + backward of one norm and, for the attention-input norm, the projections
+reading it, `--batch` × `--seq` tokens): each norm kind real and fixed against the plain module.
+
+Every round runs each variant once, in an order rotated from round to round, so drift in machine
+load hits all variants alike. Each round yields a ratio to the plain variant of that same round,
+for wall time and for process CPU time; the script prints the minimum and the median of the
+per-round ratios. Use `--threads 1` on a shared machine.
+
+    python benchmarks/step_time.py [--threads 1] [--rounds 10] [--batch 2] [--seq 256] [--compile]
+                                   [--shapes gpt2 llama] [--sites-only | --steps-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -15,20 +29,117 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.pytorch_utils import Conv1D
 
 from lnfree import surgery
+from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
+
+PLAIN = "plain"
 
 
-def make_step(model: torch.nn.Module, removal: bool, ids: torch.Tensor):
+# ----------------------------------------------------------------------------- timing
+
+
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict[str, dict]:
+    """Per-round wall and CPU ratios of every variant to the plain one (min and median over rounds)."""
+    names = list(variants)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(warmup + rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            variants[name]()
+            if round_ >= warmup:
+                wall[name].append(time.perf_counter() - wall0)
+                cpu[name].append(time.process_time() - cpu0)
+    result = {}
+    for name in names:
+        wall_ratios = [a / b for a, b in zip(wall[name], wall[PLAIN])]
+        cpu_ratios = [a / b for a, b in zip(cpu[name], cpu[PLAIN])]
+        result[name] = {
+            "median_ms": 1000 * statistics.median(wall[name]),
+            "wall_ratio_min": min(wall_ratios), "wall_ratio_median": statistics.median(wall_ratios),
+            "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_median": statistics.median(cpu_ratios),
+        }
+    return result
+
+
+def print_table(title: str, result: dict[str, dict]) -> None:
+    """One line per variant: median time and the per-round ratios to plain."""
+    print(f"\n{title}")
+    print(f"  {'variant':<34} {'median ms':>10} {'wall ratio min/median':>22} {'CPU ratio min/median':>21}")
+    for name, r in result.items():
+        print(f"  {name:<34} {r['median_ms']:10.2f} {r['wall_ratio_min']:10.3f} / {r['wall_ratio_median']:.3f}"
+              f" {r['cpu_ratio_min']:9.3f} / {r['cpu_ratio_median']:.3f}")
+
+
+# ----------------------------------------------------------------------------- the published reference
+
+
+class PublishedFakeLayerNorm(nn.LayerNorm):
+    """The research code's fake LayerNorm, re-implemented from its description (not lnfree's method).
+
+    A real LayerNorm that, in every training forward, computes the batch-mean per-token std and
+    reads it to the host (`.item()`) into a Python running average; once `fake`, it centres its
+    input and divides by that stored float.
+    """
+
+    def __init__(self, ln: nn.LayerNorm, momentum: float = 0.9):
+        super().__init__(ln.normalized_shape, eps=ln.eps)
+        self.load_state_dict(ln.state_dict())
+        self.momentum = momentum
+        self.std = 1.0
+        self.fake = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            std = torch.sqrt(x.detach().var(-1, unbiased=False) + self.eps).mean().item()  # a host sync
+            if not self.fake:
+                self.std = self.momentum * self.std + (1 - self.momentum) * std
+        if not self.fake:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / self.std * self.weight + self.bias
+
+
+def published_fake(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
+    """Every LayerNorm of a GPT-2 replaced by a fake `PublishedFakeLayerNorm` (std from the plain model)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.LayerNorm):
+            fake = PublishedFakeLayerNorm(module)
+            fake.fake = True
+            model.set_submodule(name, fake)
+    return model
+
+
+# ----------------------------------------------------------------------------- full steps
+
+
+def shape_config(shape: str, layers: int | None):
+    """Random-init model config of GPT-2 small or SmolLM2-135M (Llama family)."""
+    if shape == "gpt2":
+        return GPT2Config(n_layer=layers or 12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return LlamaConfig(num_hidden_layers=layers or 30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def make_step(model: nn.Module, ids: torch.Tensor, removal: bool, compiled: bool = False) -> Callable[[], None]:
+    """One training step of `model`: forward, backward, AdamW, and the σ update if `removal`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        forward(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if removal:
@@ -37,50 +148,158 @@ def make_step(model: torch.nn.Module, removal: bool, ids: torch.Tensor):
     return step
 
 
+def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
+    """Every full-step variant of one model shape (plain first)."""
+    torch.manual_seed(0)
+    config = shape_config(shape, args.layers)
+    cls = GPT2LMHeadModel if shape == "gpt2" else LlamaForCausalLM
+    base = cls(config)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    real = surgery.install(copy.deepcopy(base))
+    surgery.initialise_sigmas(real, [ids])
+    fixed = copy.deepcopy(real)
+    for state in surgery.scale_states(fixed).values():
+        state.switch_to_fake()
+    variants = {PLAIN: make_step(base, ids, False), "lnfree all real": make_step(real, ids, True),
+                "lnfree all fixed": make_step(fixed, ids, True)}
+    if shape == "gpt2":
+        variants["published FakeLayerNorm, all fake"] = make_step(published_fake(copy.deepcopy(base)), ids, False)
+    if args.compile:
+        variants["compiled plain"] = make_step(base, ids, False, compiled=True)
+        variants["compiled lnfree all real"] = make_step(real, ids, True, compiled=True)
+        variants["compiled lnfree all fixed"] = make_step(fixed, ids, True, compiled=True)
+    return variants
+
+
+# ----------------------------------------------------------------------------- per site
+
+
+def fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[nn.Parameter], reps: int):
+    """`reps` forward + backward passes of `module` at input `x` (gradients returned, not accumulated)."""
+    grad = torch.randn_like(module(x))
+
+    def run() -> None:
+        for _ in range(reps):
+            torch.autograd.grad(module(x), [x, *params], grad)
+
+    return run
+
+
+def _fixed(states: list[ScaleState], sigmas: list[float]) -> None:
+    for state, sigma in zip(states, sigmas):
+        state.sigma.fill_(sigma)
+        state.switch_to_fake()
+
+
+def layer_norm_site(d: int, x: torch.Tensor, reps: int) -> dict[str, Callable[[], None]]:
+    """A LayerNorm whose output feeds its consumers directly (GPT-2's ln_2)."""
+    ln = nn.LayerNorm(d)
+    real = FixedScaleNorm(ln.weight, ln.bias, ScaleState(ln.eps, "layer")).train()
+    fixed = FixedScaleNorm(ln.weight, ln.bias, ScaleState(ln.eps, "layer"))
+    _fixed([fixed.state], [2.0])
+    published = PublishedFakeLayerNorm(ln).train()
+    published.fake = True
+    return {PLAIN: fwd_bwd(ln, x, list(ln.parameters()), reps),
+            "lnfree real (gathering)": fwd_bwd(real, x, list(real.parameters()), reps),
+            "lnfree fixed": fwd_bwd(fixed, x, list(fixed.parameters()), reps),
+            "published FakeLayerNorm, fake": fwd_bwd(published, x, list(published.parameters()), reps)}
+
+
+def rms_norm_site(d: int, x: torch.Tensor, reps: int) -> dict[str, Callable[[], None]]:
+    """An RMSNorm whose output feeds its consumers directly (Llama's post_attention_layernorm)."""
+    rms = LlamaRMSNorm(d, eps=1e-5)
+    real = FixedScaleNorm(rms.weight, None, ScaleState(1e-5, "rms")).train()
+    fixed = FixedScaleNorm(rms.weight, None, ScaleState(1e-5, "rms"))
+    _fixed([fixed.state], [2.0])
+    return {PLAIN: fwd_bwd(rms, x, [rms.weight], reps),
+            "lnfree real (gathering)": fwd_bwd(real, x, [real.weight], reps),
+            "lnfree fixed": fwd_bwd(fixed, x, [fixed.weight], reps)}
+
+
+def split_site(norm: nn.Module, projections: list[nn.Module], kind: str, v_columns: list, in_out: bool,
+               x: torch.Tensor, reps: int) -> dict[str, Callable[[], None]]:
+    """An attention-input norm and the projections reading it, plain and as lnfree's split norm."""
+    bias = getattr(norm, "bias", None)
+    eps = getattr(norm, "eps", None) or norm.variance_epsilon
+
+    def installed(fixed: bool) -> tuple[Callable, list[nn.Parameter]]:
+        split = SplitNorm(norm.weight, bias, ScaleState(eps, kind), ScaleState(eps, kind)).train()
+        projs = [NormalisedProjection(p, split, v, in_out) for p, v in zip(projections, v_columns)]
+        if fixed:
+            _fixed([split.qk, split.v], [2.0, 3.0])
+
+        def forward(h: torch.Tensor) -> torch.Tensor:  # as in the model: the norm module, then each projection
+            n = split(h)
+            return torch.cat([proj(n) for proj in projs], -1)
+
+        return forward, list(split.parameters()) + [p for proj in projs for p in proj.parameters()]
+
+    def plain(h: torch.Tensor) -> torch.Tensor:
+        n = norm(h)
+        return torch.cat([p(n) for p in projections], -1)
+
+    params = list(norm.parameters()) + [p for proj in projections for p in proj.parameters()]
+    variants = {PLAIN: fwd_bwd(plain, x, params, reps)}
+    for label, fixed in (("lnfree real (gathering)", False), ("lnfree fixed", True)):
+        module, module_params = installed(fixed)
+        variants[label] = fwd_bwd(module, x, module_params, reps)
+    return variants
+
+
+def site_variants(args) -> dict[str, dict[str, Callable[[], None]]]:
+    """Per-site variants: GPT-2-small LayerNorm sites and SmolLM2-135M RMSNorm sites."""
+    torch.manual_seed(0)
+    tokens = args.batch * args.seq
+    d_gpt2, d_llama, kv = 768, 576, 192
+    x = torch.randn(tokens, d_gpt2, requires_grad=True)
+    y = torch.randn(tokens, d_llama, requires_grad=True)
+    ln_1 = nn.LayerNorm(d_gpt2)
+    c_attn = Conv1D(3 * d_gpt2, d_gpt2)
+    rms = LlamaRMSNorm(d_llama, eps=1e-5)
+    q, k, v = nn.Linear(d_llama, d_llama, bias=False), nn.Linear(d_llama, kv, bias=False), nn.Linear(d_llama, kv, bias=False)
+    return {
+        "GPT-2 ln_2 (LayerNorm)": layer_norm_site(d_gpt2, x, args.site_reps),
+        "GPT-2 ln_1 + c_attn (split LayerNorm)": split_site(
+            ln_1, [c_attn], "layer", [slice(2 * d_gpt2, 3 * d_gpt2)], True, x, args.site_reps),
+        "Llama post_attention_layernorm (RMSNorm)": rms_norm_site(d_llama, y, args.site_reps),
+        "Llama input_layernorm + q/k/v (split RMSNorm)": split_site(
+            rms, [q, k, v], "rms", [None, None, "all"], False, y, args.site_reps),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per variant")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (each runs every variant once)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=int, help="override the depth of both shapes (quick runs)")
+    parser.add_argument("--shapes", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the full steps")
+    parser.add_argument("--site-rounds", type=int, default=30)
+    parser.add_argument("--site-reps", type=int, default=10, help="forward+backward passes per site measurement")
+    parser.add_argument("--sites-only", action="store_true")
+    parser.add_argument("--steps-only", action="store_true")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    base = GPT2LMHeadModel(config)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
-
-    real = surgery.install(copy.deepcopy(base))
-    surgery.initialise_sigmas(real, [ids])
-    fake = copy.deepcopy(real)
-    for state in surgery.scale_states(fake).values():
-        state.switch_to_fake()
-    steps = {
-        "plain LayerNorm": make_step(base, False, ids),
-        "lnfree, all real": make_step(real, True, ids),
-        "lnfree, all fake": make_step(fake, True, ids),
-    }
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    for round_ in range(args.warmup + args.steps):
-        # Rotate the order every round so no variant always runs first (or right after another).
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            step = steps[name]
-            started = time.perf_counter()
-            step()
-            if round_ >= args.warmup:
-                times[name].append(time.perf_counter() - started)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    plain = medians["plain LayerNorm"]
-    print(f"GPT-2-small shape, batch {args.batch} × {args.seq} tokens, {args.threads} threads, {args.steps} steps each")
-    for name, median in medians.items():
-        print(f"  {name:>17}: median {median * 1000:8.1f} ms   ratio to plain {median / plain:.3f}")
+    results: dict = {"args": vars(args), "torch": torch.__version__, "sites": {}, "steps": {}}
+    print(f"{args.batch} × {args.seq} tokens, {args.threads} thread(s); ratios are per round, to plain in the same round")
+    if not args.steps_only:
+        for site, variants in site_variants(args).items():
+            results["sites"][site] = interleaved(variants, args.site_rounds, args.warmup)
+            print_table(f"site: {site} (forward + backward, {args.site_rounds} rounds × {args.site_reps})",
+                        results["sites"][site])
+    if not args.sites_only:
+        for shape in args.shapes:
+            variants = step_variants(shape, args)
+            results["steps"][shape] = interleaved(variants, args.rounds, args.warmup)
+            print_table(f"full step: {shape} shape ({args.rounds} rounds)", results["steps"][shape])
+            del variants
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"medians_s": medians, "ratios": {n: m / plain for n, m in medians.items()}, "args": vars(args)}, f, indent=1)
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
