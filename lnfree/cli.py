@@ -239,6 +239,30 @@ def schedule(
 
 
 @app.command()
+def plan(
+    preset: Annotated[Optional[str], PRESET_OPT] = None,
+    config: Annotated[Optional[Path], CONFIG_OPT] = None,
+    gpus: Annotated[int, typer.Option(help="GPUs the run is spread over (DDP).")] = 1,
+    gpu_memory: Annotated[str, typer.Option(help="Memory of one GPU, e.g. 80GB.")] = "80GB",
+    fsdp: Annotated[bool, typer.Option("--fsdp", help="Shard weights, gradients and optimiser states (FSDP). (default: DDP)")] = False,
+) -> None:
+    """Predict peak memory per GPU and pick the micro-batch and checkpointing that fit."""
+    from lnfree.plan import config_of, model_shape, plan_run
+
+    with _user_errors():
+        cfg = _base_config(preset, config, None)
+        memory = float(gpu_memory.upper().removesuffix("GB").strip())
+        model_config = config_of(cfg.model)
+        context = cfg.data.context_length or model_config.max_position_embeddings
+        chosen = plan_run(cfg, model_shape(model_config), context, gpus, memory, autocast=True, sharded=fsdp)
+    typer.echo(f"{cfg.description or cfg.model}")
+    typer.echo(chosen.describe())
+    s = chosen.setup
+    typer.echo(f"settings: --set train.micro_batch_size={s.micro_batch} "
+               f"--set train.gradient_checkpointing={str(s.checkpointing).lower()}")
+
+
+@app.command()
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="A run folder (its latest checkpoint) or a checkpoints/step_N folder.")],
     out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick model to.")],

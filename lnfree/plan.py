@@ -1,0 +1,244 @@
+"""Memory plan: predicted peak memory per GPU of a removal run, and the micro-batch / checkpointing that fit.
+
+The prediction adds, per GPU:
+- persistent state: fp32 master weights (4 B/parameter), AdamW's two moments (8 B), fp32
+  gradients (4 B, held across micro-batches by gradient accumulation), DDP's gradient buckets
+  (4 B, when more than one process) and, under bf16/fp16 autocast, the 16-bit copies of the
+  matrix weights that autocast makes and the backward keeps (2 B per matrix parameter);
+  FSDP (`sharded`) divides the first four by the number of GPUs;
+- activations of one micro-batch kept for the backward, counted per token and layer from the
+  tensors each block saves (`Activations`), or, with activation checkpointing, each block's input
+  plus one block's activations while it is recomputed;
+- the cross-entropy over the vocabulary at the start of the backward: log-probabilities,
+  their gradient and the logits' gradient, fp32 (12 B per token and vocabulary entry);
+- the distillation teacher, if any: its parameters (frozen, e.g. bf16) and its fp32 logits and
+  log-probabilities per micro-batch;
+- a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
+`benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+GB = 1e9
+#: Share of a GPU's memory a plan may fill: the rest absorbs allocator fragmentation.
+USABLE = 0.9
+
+
+class ModelShape(BaseModel):
+    """What the memory of a run depends on: sizes of a causal LM of a supported family."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    family: Literal["gpt2", "llama", "gpt_neox"]
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    intermediate: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    vocab: int = Field(ge=1)
+    parameters: int = Field(ge=1, description="every parameter (tied ones once)")
+    matrix_parameters: int = Field(ge=0, description="parameters of matmul weights (autocast copies them)")
+
+
+class Teacher(BaseModel):
+    """A frozen copy of the model used for distillation: parameters only, in `bytes_per_parameter`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    parameters: int = Field(ge=1)
+    bytes_per_parameter: int = Field(2, ge=1, description="2 for a bf16 teacher, 4 for fp32")
+
+
+class Setup(BaseModel):
+    """How a run is laid out on its GPUs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    context: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    checkpointing: bool = False
+    autocast: bool = True  # bf16 / fp16 autocast over fp32 master weights
+    gpus: int = Field(1, ge=1)
+    sharded: bool = False  # FSDP full shard (else DDP replicas)
+    dropout: bool = True
+    reserve_gb: float = Field(2.0, ge=0, description="CUDA context and allocator fragmentation")
+
+
+class Prediction(BaseModel):
+    """Predicted peak bytes per GPU, by component."""
+
+    weights: float
+    optimizer: float
+    gradients: float
+    buckets: float
+    autocast_copies: float
+    activations: float
+    logits: float
+    teacher: float
+    reserve: float
+
+    @property
+    def total(self) -> float:
+        """The predicted peak, bytes."""
+        return sum(self.model_dump().values())
+
+    def line(self) -> str:
+        """A one-line breakdown in GB."""
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.model_dump().items() if v)
+        return f"{self.total / GB:.1f} GB ({parts})"
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a transformers causal-LM config, with parameter counts from a meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    unique = {id(p): p for p in model.parameters()}.values()
+    matrices = sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    family = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}.get(config.model_type, "llama")
+    hidden = getattr(config, "n_embd", None) or config.hidden_size
+    heads = getattr(config, "n_head", None) or config.num_attention_heads
+    intermediate = getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * hidden
+    return ModelShape(
+        family=family, layers=getattr(config, "n_layer", None) or config.num_hidden_layers, hidden=hidden,
+        intermediate=intermediate, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        vocab=config.vocab_size, parameters=sum(p.numel() for p in unique), matrix_parameters=matrices,
+    )
+
+
+def activation_bytes_per_token(shape: ModelShape, autocast: bool, dropout: bool) -> tuple[float, float]:
+    """(bytes one block saves for its backward, bytes of its input) per token.
+
+    Counted from what each family's block keeps (PyTorch SDPA attention, no T² scores):
+    residual-stream tensors and norm statistics in fp32, matmul inputs/outputs in the autocast
+    dtype, dropout masks as bytes.
+    GPT-2: both norm inputs (fp32); ln_1 output, Q/K/V, attention output and its contiguous copy,
+    ln_2 output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output (5 × 4d).
+    Llama: the norm input, normalised value and output (RMSNorm is composed of elementwise ops),
+    RoPE'd Q and K, V, attention output, o_proj input; the MLP's gate, up, SiLU and product.
+    GPT-NeoX: as GPT-2 with an exact GELU (its input and output).
+    """
+    d, ff = shape.hidden, shape.intermediate
+    kv = d * shape.kv_heads // shape.heads
+    act = 2 if autocast else 4
+    if shape.family == "gpt2":
+        fp32, low = 2 * d, 7 * d + 5 * ff
+    elif shape.family == "llama":
+        fp32, low = 4 * d, 2 * d + 4 * d + 2 * kv + 4 * ff
+    else:
+        fp32, low = 2 * d, 7 * d + 2 * ff
+    masks = 2 * d if dropout else 0
+    return fp32 * 4 + low * act + masks, 4 * d
+
+
+def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> Prediction:
+    """Predicted peak memory per GPU of one removal run (see the module docstring)."""
+    shard = setup.gpus if setup.sharded else 1
+    p = shape.parameters
+    tokens = setup.micro_batch * setup.context
+    block, block_input = activation_bytes_per_token(shape, setup.autocast, setup.dropout)
+    if setup.checkpointing:
+        activations = tokens * (shape.layers * block_input + block)
+    else:
+        activations = tokens * shape.layers * block
+    teacher_bytes = 0.0
+    if teacher is not None:
+        teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + 2 * 4 * tokens * shape.vocab
+    return Prediction(
+        weights=4 * p / shard, optimizer=8 * p / shard, gradients=4 * p / shard,
+        buckets=4 * p / shard if setup.gpus > 1 and not setup.sharded else 0.0,
+        autocast_copies=2 * shape.matrix_parameters / shard if setup.autocast else 0.0,
+        activations=activations, logits=12 * tokens * shape.vocab, teacher=teacher_bytes,
+        reserve=setup.reserve_gb * GB,
+    )
+
+
+class Plan(BaseModel):
+    """The chosen layout and its prediction."""
+
+    setup: Setup
+    prediction: Prediction
+    gpu_memory_gb: float
+    fits: bool  # the prediction is at most `USABLE` of the GPU's memory
+
+    def describe(self) -> str:
+        """One human-readable line."""
+        s = self.setup
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"memory plan: micro-batch {s.micro_batch} × {s.context} tokens, checkpointing "
+                f"{'on' if s.checkpointing else 'off'}, {s.gpus} GPU(s){' FSDP' if s.sharded else ' DDP' if s.gpus > 1 else ''}"
+                f" → peak {self.prediction.line()} per GPU; {verdict} in {self.gpu_memory_gb:g} GB")
+
+
+def choose(
+    shape: ModelShape, sequences_per_gpu: int, gpu_memory_gb: float, base: Setup, teacher: Teacher | None = None,
+    max_micro_batch: int = 64,
+) -> Plan:
+    """The fastest layout that fits: the largest micro-batch (a divisor of the sequences per GPU
+    and step) without checkpointing if it is at least 4 (or at least the checkpointed one), else
+    the largest with checkpointing; the smallest checkpointed one if nothing fits. A layout fits
+    when its predicted peak is at most `USABLE` of `gpu_memory_gb`."""
+    limit = USABLE * gpu_memory_gb * GB
+    divisors = [m for m in range(1, min(sequences_per_gpu, max_micro_batch) + 1) if sequences_per_gpu % m == 0]
+
+    def best(checkpointing: bool) -> Setup | None:
+        fitting = [m for m in divisors if predict(shape, base.model_copy(update={
+            "micro_batch": m, "checkpointing": checkpointing}), teacher).total <= limit]
+        return base.model_copy(update={"micro_batch": max(fitting), "checkpointing": checkpointing}) if fitting else None
+
+    plain, checkpointed = best(False), best(True)
+    if plain is not None and (checkpointed is None or plain.micro_batch >= min(4, checkpointed.micro_batch)):
+        chosen = plain
+    else:
+        chosen = checkpointed or base.model_copy(update={"micro_batch": 1, "checkpointing": True})
+    prediction = predict(shape, chosen, teacher)
+    return Plan(setup=chosen, prediction=prediction, gpu_memory_gb=gpu_memory_gb, fits=prediction.total <= limit)
+
+
+#: GPT-2 sizes (the presets' models), so a plan needs neither the weights nor the Hub.
+GPT2_SIZES = {
+    "openai-community/gpt2": (12, 768, 12), "openai-community/gpt2-medium": (24, 1024, 16),
+    "openai-community/gpt2-large": (36, 1280, 20), "openai-community/gpt2-xl": (48, 1600, 25),
+}
+
+
+def config_of(model: str):
+    """The transformers config of `model`: a known GPT-2 size, else as `lnfree.models.load_config` finds it."""
+    from transformers import GPT2Config
+
+    from lnfree.models import load_config
+
+    if model in GPT2_SIZES:
+        layers, hidden, heads = GPT2_SIZES[model]
+        return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads)
+    return load_config(model)
+
+
+def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: float, autocast: bool,
+             teacher: Teacher | None = None, sharded: bool = False) -> Plan:
+    """The plan of a run config (`lnfree.config.RunConfig`) on `gpus` GPUs of `gpu_memory_gb`."""
+    train = config.train
+    per_gpu, rest = divmod(train.tokens_per_step, context * gpus)
+    if rest or per_gpu < 1:
+        raise ValueError(f"tokens_per_step {train.tokens_per_step} is not a multiple of {gpus} GPU(s) × {context}")
+    base = Setup(context=context, micro_batch=1, autocast=autocast, gpus=gpus, sharded=sharded,
+                 dropout=bool(train.dropout))
+    return choose(shape, per_gpu, gpu_memory_gb, base, teacher)
+
+
+def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: bool = False) -> Plan:
+    """The plan of preset `name` on `gpus` GPUs of `gpu_memory_gb` (bf16 autocast)."""
+    from lnfree.config import load_preset
+
+    config = load_preset(name)
+    model_config = config_of(config.model)
+    context = config.data.context_length or model_config.max_position_embeddings
+    return plan_run(config, model_shape(model_config), context, gpus, gpu_memory_gb, True, sharded=sharded)
