@@ -7,8 +7,8 @@ right before the measured step and reads it (VmHWM) afterwards. One measured ste
 model (lnfree norms installed, all real) of a small shape, fp32, two micro-batches of gradient
 accumulation (so gradients are held during the second backward, as in a run), AdamW. Reported:
 measured and predicted peak above the process's resident set before the model existed (total),
-and measured and predicted peak above the resident set right before the step (the step's
-transient: gradients, activations, cross-entropy).
+and measured and predicted peak above the resident set right before the second micro-batch
+(its transient: activations and the backward's peak; the gradients exist already).
 
     python benchmarks/memory_plan.py [--out benchmarks/results/memory_plan.json]
 """
@@ -81,15 +81,15 @@ def measure(case: tuple) -> dict:
         return peak_above
 
     step(False)  # the optimizer's states exist from now on
-    transient = step(True)
+    measured_step = step(True)
     total = rss_bytes("VmHWM") - before_model
     prediction = predict(model_shape(config), Setup(context=context, micro_batch=micro, checkpointing=checkpointing,
                                                     autocast=False, dropout=False, reserve_gb=0.0))
-    steady = prediction.weights + prediction.optimizer
+    transient = prediction.activations + prediction.backward_peak  # gradients exist from the first micro-batch
     return {"case": dict(zip(("family", "layers", "hidden", "heads", "vocab", "context", "micro_batch",
                               "checkpointing"), case)),
             "measured_total": total, "predicted_total": prediction.total,
-            "measured_step": transient, "predicted_step": prediction.total - steady,
+            "measured_step": measured_step, "predicted_step": transient,
             "prediction": prediction.model_dump()}
 
 

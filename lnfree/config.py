@@ -69,6 +69,7 @@ class TrainConfig(_Strict):
     seed: int = 0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     gradient_checkpointing: bool = False
+    compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     eval_every: int = Field(0, ge=0, description="held-out CE every N steps (0: start and end only)")
     log_every: int = Field(10, ge=1)

@@ -303,3 +303,32 @@ class StepBatches:
         rows = [self._order((first + j) // n)[(first + j) % n] for j in range(self.micro_batch_size)]
         # Sorted rows read a memory-mapped stream in order; the order inside a batch is irrelevant.
         return torch.from_numpy(self.sequences[np.sort(rows)].astype(np.int64))
+
+
+class DeviceBatches:
+    """`StepBatches` of one rank delivered on `device`, the next micro-batch's copy issued ahead.
+
+    On a GPU the ids go through pinned host memory with a non-blocking copy, so fetching a
+    micro-batch never synchronises the stream; the copy of the following one is started as
+    soon as one is handed out. Batches are still a pure function of (step, micro-step).
+    """
+
+    def __init__(self, batches: StepBatches, rank: int, device: torch.device):
+        self.batches = batches
+        self.rank = rank
+        self.device = torch.device(device)
+        self._ahead: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _copy(self, step: int, micro_step: int) -> torch.Tensor:
+        ids = self.batches.get(step, micro_step, self.rank)
+        if self.device.type == "cuda":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
+
+    def get(self, step: int, micro_step: int) -> torch.Tensor:
+        """Input ids of `micro_step` of `step` on the device; starts copying the micro-batch after it."""
+        key = (step, micro_step)
+        ids = self._ahead[1] if self._ahead is not None and self._ahead[0] == key else self._copy(*key)
+        following = (step, micro_step + 1) if micro_step + 1 < self.batches.accumulation else (step + 1, 0)
+        self._ahead = (following, self._copy(*following))
+        return ids

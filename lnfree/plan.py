@@ -7,10 +7,12 @@ The prediction adds, per GPU:
   matrix weights that autocast makes and the backward keeps (2 B per matrix parameter);
   FSDP (`sharded`) divides the first four by the number of GPUs;
 - activations of one micro-batch kept for the backward, counted per token and layer from the
-  tensors each block saves (`Activations`), or, with activation checkpointing, each block's input
-  plus one block's activations while it is recomputed;
-- the cross-entropy over the vocabulary at the start of the backward: log-probabilities,
-  their gradient and the logits' gradient, fp32 (12 B per token and vocabulary entry);
+  tensors each block saves (`activation_bytes_per_token`), or, with activation checkpointing,
+  each block's input;
+- the largest transient of the backward on top of them (`backward_peak`): the cross-entropy over
+  the vocabulary at its start (log-probabilities, their gradient and the logits' gradient, fp32:
+  12 B per token and vocabulary entry) or, with checkpointing, one block recomputed with its
+  backward's working gradients, whichever is larger;
 - the distillation teacher, if any: its parameters (frozen, e.g. bf16) and its fp32 logits and
   log-probabilities per micro-batch;
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
@@ -79,7 +81,7 @@ class Prediction(BaseModel):
     buckets: float
     autocast_copies: float
     activations: float
-    logits: float
+    backward_peak: float
     teacher: float
     reserve: float
 
@@ -122,8 +124,8 @@ def activation_bytes_per_token(shape: ModelShape, autocast: bool, dropout: bool)
     dtype, dropout masks as bytes.
     GPT-2: both norm inputs (fp32); ln_1 output, Q/K/V, attention output and its contiguous copy,
     ln_2 output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output (5 × 4d).
-    Llama: the norm input, normalised value and output (RMSNorm is composed of elementwise ops),
-    RoPE'd Q and K, V, attention output, o_proj input; the MLP's gate, up, SiLU and product.
+    Llama: per norm its input and normalised value (fp32) and output; RoPE'd Q and K, V, attention
+    output, o_proj input; the MLP's gate, up, SiLU and product.
     GPT-NeoX: as GPT-2 with an exact GELU (its input and output).
     """
     d, ff = shape.hidden, shape.intermediate
@@ -132,7 +134,7 @@ def activation_bytes_per_token(shape: ModelShape, autocast: bool, dropout: bool)
     if shape.family == "gpt2":
         fp32, low = 2 * d, 7 * d + 5 * ff
     elif shape.family == "llama":
-        fp32, low = 4 * d, 2 * d + 4 * d + 2 * kv + 4 * ff
+        fp32, low = 4 * d, 5 * d + 2 * kv + 4 * ff
     else:
         fp32, low = 2 * d, 7 * d + 2 * ff
     masks = 2 * d if dropout else 0
@@ -145,10 +147,14 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
     p = shape.parameters
     tokens = setup.micro_batch * setup.context
     block, block_input = activation_bytes_per_token(shape, setup.autocast, setup.dropout)
+    cross_entropy = 12 * tokens * shape.vocab
     if setup.checkpointing:
-        activations = tokens * (shape.layers * block_input + block)
+        activations = tokens * shape.layers * block_input
+        working = 4 * (2 * shape.hidden + shape.intermediate)  # fp32 gradients flowing through the block
+        backward_peak = max(cross_entropy, tokens * (block + working))
     else:
         activations = tokens * shape.layers * block
+        backward_peak = cross_entropy
     teacher_bytes = 0.0
     if teacher is not None:
         teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + 2 * 4 * tokens * shape.vocab
@@ -156,7 +162,7 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
         weights=4 * p / shard, optimizer=8 * p / shard, gradients=4 * p / shard,
         buckets=4 * p / shard if setup.gpus > 1 and not setup.sharded else 0.0,
         autocast_copies=2 * shape.matrix_parameters / shard if setup.autocast else 0.0,
-        activations=activations, logits=12 * tokens * shape.vocab, teacher=teacher_bytes,
+        activations=activations, backward_peak=backward_peak, teacher=teacher_bytes,
         reserve=setup.reserve_gb * GB,
     )
 
@@ -242,3 +248,20 @@ def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: 
     model_config = config_of(config.model)
     context = config.data.context_length or model_config.max_position_embeddings
     return plan_run(config, model_shape(model_config), context, gpus, gpu_memory_gb, True, sharded=sharded)
+
+
+def describe_run(config, model_config, context: int, micro_batch: int, gpus: int, device: torch.device,
+                 autocast: bool, teacher: Teacher | None = None) -> str:
+    """The predicted peak of a run as configured, and on a GPU whether it fits (else what would)."""
+    shape = model_shape(model_config)
+    setup = Setup(context=context, micro_batch=micro_batch, checkpointing=config.train.gradient_checkpointing,
+                  autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout))
+    prediction = predict(shape, setup, teacher)
+    line = f"memory plan: predicted peak {prediction.line()} per device"
+    if device.type != "cuda":
+        return line
+    memory_gb = torch.cuda.get_device_properties(device).total_memory / GB
+    if prediction.total <= USABLE * memory_gb * GB:
+        return f"{line}; fits in {memory_gb:.0f} GB"
+    better = plan_run(config, shape, context, gpus, memory_gb, autocast, teacher)
+    return f"{line}; may NOT fit in {memory_gb:.0f} GB. {better.describe()}"

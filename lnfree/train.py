@@ -34,8 +34,9 @@ from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
-from lnfree.data import StepBatches, TokenData, prepare_data
+from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
 from lnfree.models import load_base
+from lnfree.plan import describe_run
 from lnfree.schedule import PER_LAYER_KINDS, Event, derive_schedule
 
 RUN_CONFIG = "run_config.json"
@@ -187,6 +188,19 @@ def held_out_ce(model: nn.Module, data: TokenData, n_sequences: int, batch_size:
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum")
     model.train(was_training)
     return total / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+def compile_blocks(model: nn.Module, **options) -> None:
+    """`torch.compile` every block of `model` in place (state-dict keys and hooks unchanged); `options`
+    go to `torch.compile`.
+
+    Blocks share graphs: there is one per state of a block's norms (real, fixed, train/eval), not
+    one per block. Each graph is guarded on the norms' Python mirrors, so switching a slot
+    compiles (or reuses) the graph of the new state and never runs a stale one.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for block in model.get_submodule(architecture(model).layers):
+        block.compile(**options)
 
 
 def _autocast_factory(config: RunConfig, device: torch.device):
@@ -392,8 +406,13 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(accelerator.device)
+    if train.compile:
+        compile_blocks(model)
     autocast, precision = _autocast_factory(config, accelerator.device)
+    if accelerator.is_main_process:
+        logger.info(describe_run(config, model.config, context, micro_batch, world, accelerator.device, precision != "no"))
     batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
+    loader = DeviceBatches(batches, accelerator.process_index, accelerator.device)
     momentum = train.sigma_momentum ** (batches.sequences_per_step / train.sigma_momentum_sequences)
     log_path = out / "log.jsonl"
 
@@ -457,7 +476,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             group["lr"] = lr
         totals = torch.zeros(3, device=accelerator.device)
         for micro in range(accumulation):
-            input_ids = batches.get(step, micro, accelerator.process_index).to(accelerator.device)
+            input_ids = loader.get(step, micro)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
                 with autocast():

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lnfree.config import DataConfig
-from lnfree.data import DataError, StepBatches, prepare_data
+from lnfree.data import DataError, DeviceBatches, StepBatches, prepare_data
 
 
 @pytest.fixture
@@ -141,3 +141,12 @@ def test_step_batches_are_a_pure_function_of_the_step_and_split_over_ranks():
     assert torch.equal(one.get(6, 1, 0), StepBatches(sequences, 2, 4, 1, seed=3).get(6, 1, 0))
     epoch0 = torch.cat([one.get(s, m, 0) for s in range(5) for m in range(4)])[:, 0]
     assert sorted(epoch0.tolist()) == list(range(0, 160, 4))  # every sequence once per epoch
+
+
+def test_device_batches_equal_step_batches_in_order_and_after_a_jump():
+    sequences = np.arange(40 * 5).reshape(40, 5)
+    batches = StepBatches(sequences, micro_batch_size=2, accumulation=3, world_size=2, seed=1)
+    loader = DeviceBatches(batches, rank=1, device=torch.device("cpu"))
+    keys = [(0, 0), (0, 1), (0, 2), (1, 0), (7, 2), (8, 0), (3, 1)]  # in order, then a resume-like jump
+    for step, micro in keys:
+        assert torch.equal(loader.get(step, micro), batches.get(step, micro, 1))
