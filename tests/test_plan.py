@@ -1,0 +1,47 @@
+"""The memory plan: its components, its choice for the GPT-2 presets, and `lnfree plan`."""
+
+from __future__ import annotations
+
+from transformers import GPT2Config
+from typer.testing import CliRunner
+
+from lnfree.cli import app
+from lnfree.plan import GB, Setup, Teacher, model_shape, plan_preset, predict
+
+XL = model_shape(GPT2Config(n_layer=48, n_embd=1600, n_head=25))
+
+
+def test_shape_counts_parameters_once_and_the_matrices():
+    assert 1.55e9 < XL.parameters < 1.56e9  # GPT-2 XL, tied embeddings counted once
+    assert XL.matrix_parameters == 48 * 12 * 1600**2 + 50257 * 1600  # blocks' Conv1Ds and the head
+
+
+def test_components_scale_as_the_layout_says():
+    base = Setup(context=1024, micro_batch=4)
+    one = predict(XL, base)
+    assert one.weights == 4 * XL.parameters and one.optimizer == 8 * XL.parameters
+    assert predict(XL, base.model_copy(update={"micro_batch": 8})).activations == 2 * one.activations
+    assert predict(XL, base.model_copy(update={"checkpointing": True})).activations < one.activations / 10
+    ddp = predict(XL, base.model_copy(update={"gpus": 8}))
+    assert ddp.buckets == ddp.gradients and ddp.weights == one.weights
+    fsdp = predict(XL, base.model_copy(update={"gpus": 8, "sharded": True}))
+    assert fsdp.weights == one.weights / 8 and fsdp.buckets == 0
+    teacher = predict(XL, base, Teacher(parameters=XL.parameters, bytes_per_parameter=2))
+    assert teacher.total - one.total > 2 * XL.parameters
+
+
+def test_gpt2_xl_removal_fits_one_80gb_gpu():
+    for gpus in (1, 8):
+        plan = plan_preset("gpt2-xl", gpus, 80.0)
+        assert plan.fits and plan.prediction.total <= 80 * GB
+        assert plan.setup.micro_batch >= 1 and 524288 % (plan.setup.micro_batch * 1024 * gpus) == 0
+    smaller = plan_preset("gpt2-xl", 1, 40.0)  # less memory: checkpointing turns on, and it still fits
+    assert smaller.fits and smaller.setup.checkpointing
+    assert not plan_preset("gpt2-xl", 1, 24.0).fits
+
+
+def test_plan_command_prints_the_plan_and_the_settings():
+    result = CliRunner().invoke(app, ["plan", "--preset", "gpt2-xl", "--gpus", "8", "--gpu-memory", "80GB"])
+    assert result.exit_code == 0, result.output
+    assert "8 GPU(s) DDP" in result.output and "fits in 80 GB" in result.output
+    assert "--set train.micro_batch_size=" in result.output
