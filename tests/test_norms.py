@@ -11,7 +11,7 @@ from families import FAMILIES, tiny_family
 
 from lnfree import surgery
 from lnfree.arch import architecture
-from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, second_moment
+from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment
 from lnfree.schedule import Event
 
 
@@ -266,3 +266,21 @@ def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
     surgery.apply_event(model, Event(0, "pos0_special"))
     assert norm.mode() == "fixed"
     torch.testing.assert_close(model(input_ids=x).logits, per_path, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4, 1e10])  # input variances up to 1e20 (< 2^76)
+def test_centred_times_is_the_centring_weight_and_bias_with_their_gradients(scale):
+    torch.manual_seed(0)
+    x = (torch.randn(6, 48) * scale + 3 * scale).requires_grad_()
+    weight = torch.rand(48).add(0.5).requires_grad_()
+    bias = torch.randn(48).requires_grad_()
+    grad = torch.randn(6, 48)
+    out = centred_times(x, weight, bias)
+    got = torch.autograd.grad(out, (x, weight, bias), grad)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
+    ref = (x64 - x64.mean(-1, keepdim=True)) * w64 + b64
+    expected = torch.autograd.grad(ref, (x64, w64, b64), grad.double())
+    # fp32 results against float64: a few roundings of values of size |x| (and |x|·|grad| summed over 6 rows)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * scale * 4)
+    for g, e, size in zip(got, expected, (1.0, 6 * 4 * scale, 6.0)):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5 * size)

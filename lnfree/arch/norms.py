@@ -108,6 +108,23 @@ def real_norm_and_rstd(
     return weight * (h * rstd).to(x.dtype), rstd
 
 
+#: A LayerNorm kernel with this eps divides by the constant √eps = 2⁵⁰: in fp32 (the kernel's
+#: arithmetic, also under autocast) var + 2¹⁰⁰ rounds to 2¹⁰⁰ for every variance below 2⁷⁶, and
+#: the kernel's gradient through its variance is 2⁻¹⁰⁰ times smaller than the rest.
+CONSTANT_EPS = 2.0**100
+CONSTANT_SCALE = 2.0**50  # √CONSTANT_EPS: scaling by it or its inverse is exact
+
+
+def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(x − mean(x)) · weight + bias in one fused LayerNorm kernel (forward and backward).
+
+    The kernel divides by the constant 2⁵⁰ (see CONSTANT_EPS) and the weight is scaled by 2⁵⁰, so
+    this is exactly the centring, the weight and the bias for any input variance below 2⁷⁶; it
+    costs what a real LayerNorm costs instead of three elementwise passes each way.
+    """
+    return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
+
+
 def centre(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
     """The linear part of the norm before its division: mean removal for LayerNorm, nothing for RMSNorm."""
     return x - x.mean(dim=-1, keepdim=True) if kind == "layer" else x
@@ -258,10 +275,9 @@ class ScaleState(nn.Module):
         sigma = self.token_sigma(x.shape[:-1])
         if self.kind == "rms":  # as transformers: divide in fp32, cast back, then the weight
             return weight * (x.float() / sigma).to(x.dtype)
-        centred = centre(x, "layer")
         if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
-            return torch.addcmul(bias, centred, weight / sigma)
-        return torch.addcmul(bias, centred / sigma.to(x.dtype), weight)
+            return centred_times(x, weight / sigma, bias)
+        return torch.addcmul(bias, centre(x, "layer") / sigma.to(x.dtype), weight)
 
 
 class FixedScaleNorm(nn.Module):
@@ -332,7 +348,7 @@ class SplitNorm(nn.Module):
         if mode == "fixed":
             if self.kind == "rms":  # as transformers: the product in fp32, cast back
                 return (x.float() * self.weight.float()).to(x.dtype)
-            return centre(x, "layer") * self.weight
+            return centred_times(x, self.weight, None)
         for state in (self.qk, self.v):
             if state.gathering:
                 state.observe(x)
