@@ -125,6 +125,11 @@ def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
 
 
+def scale_from_rstd(rstd: torch.Tensor) -> torch.Tensor:
+    """Per-token scales (fp32, detached, shape of the tokens) from a norm's reciprocal scales (..., 1)."""
+    return rstd.detach().float().reciprocal().squeeze(-1)
+
+
 def centre(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
     """The linear part of the norm before its division: mean removal for LayerNorm, nothing for RMSNorm."""
     return x - x.mean(dim=-1, keepdim=True) if kind == "layer" else x
@@ -201,17 +206,12 @@ class ScaleState(nn.Module):
         """Accumulate the per-token scales of the norm input `x` (no host sync)."""
         self.accumulate(token_scale(x, self.kind, self.eps))
 
-    def observe_rstd(self, rstd: torch.Tensor) -> None:
-        """Accumulate the per-token scales from the reciprocal scales the real norm computed (no host sync)."""
-        with torch.no_grad():
-            self.accumulate(rstd.detach().squeeze(-1).float().reciprocal())
-
     def accumulate(self, flat: torch.Tensor) -> None:
         """Add per-token scales `flat` (shape of the tokens) to the accumulator, per token group (no host sync)."""
         with torch.no_grad():
-            if not self.wants_context:
-                self.stats[0, GENERAL] += flat.sum()
-                self.stats[1, GENERAL] += flat.numel()
+            if not self.wants_context:  # in-place on views: no read-modify-write through indexing
+                self.stats[0, GENERAL].add_(flat.sum())
+                self.stats[1, GENERAL].add_(flat.numel())
                 return
             pos0, eot = self.context.masks(flat.shape)
             pos0 = pos0 & self.pos0_on
@@ -297,7 +297,7 @@ class FixedScaleNorm(nn.Module):
         state = self.state
         if state.gathering:  # the statistics come from the norm's own reciprocal scale
             out, rstd = real_norm_and_rstd(x, state.kind, self.weight, self.bias, state.eps)
-            state.observe_rstd(rstd)
+            state.accumulate(scale_from_rstd(rstd))
             return out
         return state.normalise(x, self.weight, self.bias)
 
@@ -342,8 +342,9 @@ class SplitNorm(nn.Module):
             if not self.qk.gathering:
                 return real_norm(x, self.kind, self.weight, self.bias, self.qk.eps)
             out, rstd = real_norm_and_rstd(x, self.kind, self.weight, self.bias, self.qk.eps)
-            self.qk.observe_rstd(rstd)
-            self.v.observe_rstd(rstd)
+            scale = scale_from_rstd(rstd)
+            self.qk.accumulate(scale)
+            self.v.accumulate(scale)
             return out
         if mode == "fixed":
             if self.kind == "rms":  # as transformers: the product in fp32, cast back
