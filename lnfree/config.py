@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lnfree.schedule import Schedule
+from lnfree.schedule import Adaptive, Schedule
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,14 @@ class TrainConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     aux_loss_weight: float = Field(0.1, ge=0)
+    distill_alpha: float = Field(
+        0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
+        "student) per token; 0 is off"
+    )
+    distill_temperature: float = Field(1.0, gt=0, description="softmax temperature T of the distillation term")
+    teacher_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="the frozen teacher's weights (auto: bf16 on a bf16-capable GPU, else fp32)"
+    )
     sigma_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum per `sigma_momentum_sequences`")
     sigma_momentum_sequences: int = Field(32, ge=1)
     sigma_init_batches: int = Field(8, ge=1, description="micro-batches in the initial σ measurement")
@@ -89,6 +97,11 @@ class RemovalConfig(_Strict):
     schedule: Schedule | None = Field(None, description="default: derived from the model's depth")
     special_pos0: bool = False
     special_eot: bool = False
+    blend_steps: int = Field(
+        0, ge=0, description="gradual removal: steps over which each norm moves from its real per-token scale to "
+        "its frozen σ (0 or 1: an instant switch)"
+    )
+    adaptive: Adaptive | None = Field(None, description="time removals by the training loss instead of fixed gaps")
 
 
 class RunConfig(_Strict):

@@ -82,9 +82,14 @@ def norm_input_peaks(model: nn.Module, batches) -> dict[str, float]:
     return {slot: float(value) for slot, value in peaks.items()}
 
 
+BLENDING = "a norm is part-way through a gradual removal; export once its blend has ended"
+
+
 def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState, eps: float) -> None:
     if state.wants_context:
         raise ExportError("a special σ (position 0 / EOT) is still active; the eps-trick format cannot hold it")
+    if state.is_blending:
+        raise ExportError(BLENDING)
     with torch.no_grad():
         if state.is_fake:
             set_norm_eps(norm, eps)
@@ -148,6 +153,8 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
                 raise ExportError(f"{site.module}: the Q/K and V paths differ (one real, one fixed); export after both")
             if installed.v.wants_context:
                 raise ExportError("a special σ (EOT) is still active; the eps-trick format cannot hold it")
+            if installed.v.is_blending:
+                raise ExportError(BLENDING)
         _set_norm(norm, installed.weight, installed.bias, state, eps)
         if site.split and state.is_fake:
             _fold_v_ratio(plain, site, installed, arch)

@@ -13,8 +13,9 @@ The prediction adds, per GPU:
   the vocabulary at its start (log-probabilities, their gradient and the logits' gradient, fp32:
   12 B per token and vocabulary entry) or, with checkpointing, one block recomputed with its
   backward's working gradients, whichever is larger;
-- the distillation teacher, if any: its parameters (frozen, e.g. bf16) and its fp32 logits and
-  log-probabilities per micro-batch;
+- the distillation teacher, if any (`lnfree.distill`): its parameters (frozen, bf16 on a GPU by
+  default), its logits and the student's (kept for the KL), and the KL's fp32 log-probabilities
+  of both, which its backward keeps (8 B + 2 logits per token and vocabulary entry);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
 `benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
 """
@@ -157,7 +158,8 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
         backward_peak = cross_entropy
     teacher_bytes = 0.0
     if teacher is not None:
-        teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + 2 * 4 * tokens * shape.vocab
+        act = 2 if setup.autocast else 4
+        teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + (8 + 2 * act) * tokens * shape.vocab
     return Prediction(
         weights=4 * p / shard, optimizer=8 * p / shard, gradients=4 * p / shard,
         buckets=4 * p / shard if setup.gpus > 1 and not setup.sharded else 0.0,
@@ -228,16 +230,26 @@ def config_of(model: str):
     return load_config(model)
 
 
+def run_teacher(config, shape: ModelShape, gpu: bool) -> Teacher | None:
+    """The distillation teacher a run config loads, if any (`lnfree.distill.teacher_dtype`'s choice)."""
+    train = config.train
+    if train.distill_alpha <= 0:
+        return None
+    bf16 = train.teacher_dtype == "bf16" or (train.teacher_dtype == "auto" and gpu)
+    return Teacher(parameters=shape.parameters, bytes_per_parameter=2 if bf16 else 4)
+
+
 def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: float, autocast: bool,
-             teacher: Teacher | None = None, sharded: bool = False) -> Plan:
-    """The plan of a run config (`lnfree.config.RunConfig`) on `gpus` GPUs of `gpu_memory_gb`."""
+             sharded: bool = False) -> Plan:
+    """The plan of a run config (`lnfree.config.RunConfig`, its teacher included) on `gpus` GPUs of
+    `gpu_memory_gb`."""
     train = config.train
     per_gpu, rest = divmod(train.tokens_per_step, context * gpus)
     if rest or per_gpu < 1:
         raise ValueError(f"tokens_per_step {train.tokens_per_step} is not a multiple of {gpus} GPU(s) × {context}")
     base = Setup(context=context, micro_batch=1, autocast=autocast, gpus=gpus, sharded=sharded,
                  dropout=bool(train.dropout))
-    return choose(shape, per_gpu, gpu_memory_gb, base, teacher)
+    return choose(shape, per_gpu, gpu_memory_gb, base, run_teacher(config, shape, gpu=True))
 
 
 def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: bool = False) -> Plan:
@@ -251,17 +263,18 @@ def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: 
 
 
 def describe_run(config, model_config, context: int, micro_batch: int, gpus: int, device: torch.device,
-                 autocast: bool, teacher: Teacher | None = None) -> str:
-    """The predicted peak of a run as configured, and on a GPU whether it fits (else what would)."""
+                 autocast: bool) -> str:
+    """The predicted peak of a run as configured (its teacher included), and on a GPU whether it
+    fits (else what would)."""
     shape = model_shape(model_config)
     setup = Setup(context=context, micro_batch=micro_batch, checkpointing=config.train.gradient_checkpointing,
                   autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout))
-    prediction = predict(shape, setup, teacher)
+    prediction = predict(shape, setup, run_teacher(config, shape, gpu=device.type == "cuda"))
     line = f"memory plan: predicted peak {prediction.line()} per device"
     if device.type != "cuda":
         return line
     memory_gb = torch.cuda.get_device_properties(device).total_memory / GB
     if prediction.total <= USABLE * memory_gb * GB:
         return f"{line}; fits in {memory_gb:.0f} GB"
-    better = plan_run(config, shape, context, gpus, memory_gb, autocast, teacher)
+    better = plan_run(config, shape, context, gpus, memory_gb, autocast)
     return f"{line}; may NOT fit in {memory_gb:.0f} GB. {better.describe()}"

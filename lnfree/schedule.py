@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm")
 Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "ln_f", "eot_special", "pos0_special"]
@@ -120,6 +120,33 @@ class Schedule(BaseModel):
             what = f"{len(steps)} × {stage.kind}" if stage.kind in PER_LAYER_KINDS else stage.kind
             lines.append(f"{what:>14}: {span}")
         return "\n".join(lines)
+
+
+class Adaptive(BaseModel):
+    """Adaptive timing: the schedule's order, but each removal waits for the loss to recover.
+
+    The schedule's first removal happens at its step. Each later one (events that share a step in
+    the schedule stay together) happens at the first step, at least `min_gap` and at most `max_gap`
+    steps after the previous one, at which the training cross-entropy averaged over the last
+    `window` steps since that removal is within `delta` nats of its average just before it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    delta: float = Field(0.02, ge=0, description="nats above the pre-removal training CE that count as recovered")
+    min_gap: int = Field(1, ge=1, description="fewest steps between removals")
+    max_gap: int = Field(8, ge=1, description="most steps between removals (a removal happens then even unrecovered)")
+    window: int = Field(4, ge=1, description="training steps averaged into the smoothed CE")
+
+    @model_validator(mode="after")
+    def _gaps(self) -> Adaptive:
+        if self.max_gap < self.min_gap:
+            raise ValueError("max_gap must not be below min_gap")
+        return self
+
+    def latest_step(self, events: list[Event]) -> int:
+        """The step of the last removal if every wait lasts `max_gap`."""
+        groups = len({e.step for e in events})
+        return events[0].step + (groups - 1) * self.max_gap
 
 
 def derive_schedule(n_layer: int, start: int | None = None, stages: tuple[str, ...] = PER_LAYER_KINDS[:3]) -> Schedule:

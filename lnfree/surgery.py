@@ -166,14 +166,19 @@ def update_sigmas(model: nn.Module, momentum: float) -> None:
         state.commit_ema(stats, momentum)
 
 
-def apply_event(model: nn.Module, event: Event) -> list[str]:
-    """Carry out one schedule event; returns the slots it changed."""
+def apply_event(model: nn.Module, event: Event, fraction: float = 1.0) -> list[str]:
+    """Carry out one schedule event; returns the slots it changed.
+
+    `fraction` < 1 is a step of a gradual removal: the slot divides by a blend of its real
+    per-token scale and its (now frozen) σ (`ScaleState.set_fixed_fraction`). Special-σ events
+    are always instant.
+    """
     states = scale_states(model)
     if event.kind in SPECIALS:
         for state in states.values():
             state.disable_special(SPECIALS[event.kind])
         return [event.kind]
-    states[event.slot].switch_to_fake()
+    states[event.slot].set_fixed_fraction(fraction)
     return [event.slot]
 
 
@@ -182,6 +187,8 @@ def removal_state(model: nn.Module) -> dict[str, dict]:
     out = {}
     for name, state in scale_states(model).items():
         entry = {"fake": state.is_fake, "sigma": float(state.sigma)}
+        if state.is_blending:
+            entry["fixed_fraction"] = 1 - float(state.mix)
         if state.has_pos0:
             entry.update(sigma_pos0=float(state.sigma_pos0), pos0_active=state.pos0_on)
         if state.has_eot:

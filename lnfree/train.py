@@ -1,10 +1,12 @@
 """The removal (or vanilla-control) fine-tuning run, readable top to bottom.
 
-One optimiser step: apply the schedule's events for this step, run the micro-batches
-(cross-entropy + auxiliary loss at the ln_f input, bf16 autocast over fp32 weights on GPU),
-clip, step AdamW at the warm-up/cosine learning rate, then fold the gathered per-token std
-statistics into every real norm's σ (pooled over ranks). Data, learning rate and events are
-pure functions of the step, so a run resumed from any checkpoint continues exactly. Checkpoints
+One optimiser step: apply this step's removal actions (`lnfree.timeline`: scheduled or adaptive
+events, instant or gradual), run the micro-batches (cross-entropy + auxiliary loss at the ln_f
+input, optionally distillation to the frozen original model; bf16 autocast over fp32 weights on
+GPU), clip, step AdamW at the warm-up/cosine learning rate, then fold the gathered per-token std
+statistics into every real norm's σ (pooled over ranks). Data and learning rate are pure functions
+of the step and the timeline's state is checkpointed, so a run resumed from any checkpoint
+continues exactly. Checkpoints
 are written to a temporary folder and renamed when complete, so a kill loses at most the steps
 since the last one.
 Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate launch``: DDP, or FSDP
@@ -35,9 +37,11 @@ from lnfree.arch import architecture
 from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
+from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.models import load_base
 from lnfree.plan import describe_run
-from lnfree.schedule import PER_LAYER_KINDS, Event, derive_schedule
+from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
+from lnfree.timeline import Timeline
 
 RUN_CONFIG = "run_config.json"
 CHECKPOINTS = "checkpoints"
@@ -91,7 +95,14 @@ def resolve_run(
     )
     if removal.mode == "vanilla":
         return config, []
-    return config, schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
+    events = schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
+    last = removal.adaptive.latest_step(events) if removal.adaptive else events[-1].step
+    if last + max(1, removal.blend_steps) - 1 >= max_steps:
+        raise ScheduleError(
+            f"the last removal can end at step {last + max(1, removal.blend_steps) - 1} (adaptive max_gap and "
+            f"blend_steps included), but the run ends after {max_steps} steps"
+        )
+    return config, events
 
 
 def micro_batches(train: TrainConfig, context: int, world: int) -> tuple[int, int]:
@@ -403,6 +414,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
+    teacher = load_teacher(config.model, accelerator.device, train.teacher_dtype) if train.distill_alpha > 0 else None
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(accelerator.device)
@@ -442,16 +454,21 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     bare = accelerator.unwrap_model(model)
     eval_ce = lambda: held_out_ce(model, data, config.data.eval_sequences, micro_batch, autocast)  # noqa: E731
     start_step, seconds_before = 0, 0.0
+    timeline = Timeline(events, config.removal.blend_steps, config.removal.adaptive)
     if resume:
         checkpoint = _resume_checkpoint(out)
         accelerator.load_state(str(checkpoint))
         state = json.loads((checkpoint / TRAINER_STATE).read_text())
         start_step, seconds_before = state["step"], state.get("seconds", 0.0)
+        if "timeline" in state:
+            timeline.load_state_dict(state["timeline"], accelerator.device)
+        else:  # checkpoints of an older lnfree (fixed gaps only)
+            timeline.skip_to(start_step)
         ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
         if start_step >= train.max_steps:
             logger.info("%s finished at step %d already: nothing to resume", out, start_step)
             ce_end = state["held_out_ce"] if "held_out_ce" in state else eval_ce().item()  # older runs: measure
-            records = [_event_record(e, bare) for e in events]
+            records = [_event_record(e, bare) for e in timeline.applied]
             return RunResult(out, config, ce_start, ce_end, records, checkpoint, bare, scored, seconds_before,
                              already_finished=True)
         if accelerator.is_main_process:
@@ -459,44 +476,52 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
     eps = arch.eps
-    events_by_step: dict[int, list[Event]] = {}
-    for event in events:
-        events_by_step.setdefault(event.step, []).append(event)
-    pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, grad_norm), read once per log interval
+    distill, alpha = teacher is not None, train.distill_alpha
+    pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, grad_norm), read once per log interval
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
     started = time.perf_counter()
     for step in bar:
-        for event in events_by_step.get(step, []):
-            surgery.apply_event(bare, event)
-            log(_event_record(event, bare))
+        for event, fraction in timeline.actions(step):
+            surgery.apply_event(bare, event, fraction)
+            if event.step == step:
+                log(_event_record(event, bare))
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = torch.zeros(3, device=accelerator.device)
+        totals = torch.zeros(4, device=accelerator.device)
         for micro in range(accumulation):
             input_ids = loader.get(step, micro)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
                 with autocast():
-                    ce = model(input_ids=input_ids, labels=input_ids).loss
+                    output = model(input_ids=input_ids, labels=input_ids)
+                ce = output.loss
                 aux = auxiliary_loss(lnf_input.value, input_ids, data.eot_token_id, eps, arch.norm_kind)
-                loss = ce + train.aux_loss_weight * aux
+                kl = torch.zeros_like(ce)
+                if distill:
+                    with torch.no_grad(), autocast():
+                        target = teacher(input_ids=input_ids).logits
+                    kl = kl_to_teacher(output.logits, target, train.distill_temperature)
+                loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux
                 accelerator.backward(loss / accumulation)
-            totals += torch.stack([loss.detach(), ce.detach(), aux.detach()]) / accumulation
+            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach()]) / accumulation
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if removing:
             surgery.update_sigmas(bare, momentum)
+            timeline.record(accelerator.reduce(totals[1], "mean") if world > 1 else totals[1])
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))
 
         done = step + 1
         if done % train.log_every == 0 or done == train.max_steps:
             values = torch.stack(pending).mean(0).tolist()
             pending.clear()
-            record = dict(zip(("loss", "ce", "aux", "grad_norm"), values))
+            record = dict(zip(("loss", "ce", "aux", "kl", "grad_norm"), values))
+            if not distill:
+                del record["kl"]
             record.update(step=done, lr=lr, tokens=done * train.tokens_per_step,
                           seconds=round(seconds_before + time.perf_counter() - started, 2))
             log(record)
@@ -505,16 +530,17 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored})
         if train.save_every and done % train.save_every == 0 and done != train.max_steps:
             save_checkpoint(accelerator, bare, out, done, bare.config,
-                            {"seconds": round(seconds_before + time.perf_counter() - started, 2)})
+                            {"seconds": round(seconds_before + time.perf_counter() - started, 2),
+                             "timeline": timeline.state_dict()})
     lnf_input.handle.remove()
 
     ce_end = eval_ce().item()
     seconds = round(seconds_before + time.perf_counter() - started, 2)
     log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": scored, "seconds": seconds})
     checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config,
-                                 {"seconds": seconds, "held_out_ce": ce_end})
+                                 {"seconds": seconds, "held_out_ce": ce_end, "timeline": timeline.state_dict()})
     if train.report_to:
         accelerator.end_training()
-    records = [_event_record(e, bare) for e in events]  # from the schedule, whichever process applied them
+    records = [_event_record(e, bare) for e in timeline.applied]  # the same on every process
     probe = data.eval_batch(min(config.data.eval_sequences, 16))
     return RunResult(out, config, ce_start, ce_end, records, checkpoint, bare, scored, seconds, probe=probe)

@@ -284,3 +284,17 @@ def test_centred_times_is_the_centring_weight_and_bias_with_their_gradients(scal
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * scale * 4)
     for g, e, size in zip(got, expected, (1.0, 6 * 4 * scale, 6.0)):
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5 * size)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_blending_attention_input_norm_is_normalised_per_path(family):
+    model = surgery.install(tiny_family(family))
+    norm = model.get_submodule(architecture(model).sites()[0].module)
+    x = torch.randint(0, 64, (2, 7))
+    real = model(input_ids=x).logits
+    norm.qk.sigma.fill_(0.3)
+    norm.qk.set_fixed_fraction(1e-6)  # a blend this close to real divides by the real scale
+    assert norm.mode() == "split"
+    torch.testing.assert_close(model(input_ids=x).logits, real, rtol=1e-4, atol=1e-4)
+    norm.qk.set_fixed_fraction(0.5)
+    assert not torch.allclose(model(input_ids=x).logits, real, atol=1e-3)

@@ -6,7 +6,8 @@ from transformers import GPT2Config
 from typer.testing import CliRunner
 
 from lnfree.cli import app
-from lnfree.plan import GB, Setup, Teacher, model_shape, plan_preset, predict
+from lnfree.config import load_preset, with_overrides
+from lnfree.plan import GB, Setup, Teacher, model_shape, plan_preset, plan_run, predict
 
 XL = model_shape(GPT2Config(n_layer=48, n_embd=1600, n_head=25))
 
@@ -45,3 +46,12 @@ def test_plan_command_prints_the_plan_and_the_settings():
     assert result.exit_code == 0, result.output
     assert "8 GPU(s) DDP" in result.output and "fits in 80 GB" in result.output
     assert "--set train.micro_batch_size=" in result.output
+
+
+def test_a_distillation_run_plans_its_teacher():
+    plain = load_preset("gpt2-xl")
+    distilled = with_overrides(plain, ["train.distill_alpha=0.5"])
+    without, with_teacher = (plan_run(c, XL, 1024, 1, 80.0, autocast=True) for c in (plain, distilled))
+    assert without.prediction.teacher == 0
+    assert with_teacher.prediction.teacher > 2 * XL.parameters  # bf16 weights and the KL's logits
+    assert with_teacher.fits and with_teacher.setup.micro_batch <= without.setup.micro_batch

@@ -151,6 +151,8 @@ class ScaleState(nn.Module):
         self.has_eot = special_eot
         self.register_buffer("sigma", torch.ones(()))
         self.register_buffer("fake", torch.zeros((), dtype=torch.bool))
+        # Gradual removal: while 0 < mix < 1 the norm divides by mix·(real scale) + (1 − mix)·σ, σ frozen.
+        self.register_buffer("mix", torch.zeros(()))
         if special_pos0:
             self.register_buffer("sigma_pos0", torch.ones(()))
             self.register_buffer("pos0_active", torch.ones((), dtype=torch.bool))
@@ -165,23 +167,37 @@ class ScaleState(nn.Module):
     # ----- Python mirrors of the flag buffers (read without a device sync) -----
     def _refresh_mirrors(self) -> None:
         self.is_fake = bool(self.fake)
+        self.is_blending = not self.is_fake and bool(self.mix > 0)
         self.pos0_on = self.has_pos0 and bool(self.pos0_active)
         self.eot_on = self.has_eot and bool(self.eot_active)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(prefix + "mix", torch.zeros(()))  # checkpoints from before gradual removal
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh_mirrors()
 
     def extra_repr(self) -> str:
         specials = [n for n, on in (("pos0", self.pos0_on), ("eot", self.eot_on)) if on]
-        state = "fixed" if self.is_fake else "real"
+        state = "fixed" if self.is_fake else "blending" if self.is_blending else "real"
         return f"{self.kind}, {state}, eps={self.eps}" + (f", special σ: {'+'.join(specials)}" if specials else "")
 
     # ----- switches -----
     def switch_to_fake(self) -> None:
         """Freeze σ at its current value and divide by it from now on."""
-        self.fake.fill_(True)
-        self.is_fake = True
+        self.set_fixed_fraction(1.0)
+
+    def set_fixed_fraction(self, fraction: float) -> None:
+        """Gradual removal: divide by (1 − fraction)·(real per-token scale) + fraction·σ.
+
+        Any fraction > 0 freezes σ (its EMA stops); 1 is the fixed-scale norm exactly. The blend
+        is a buffer written in place, so changing it costs no host sync and no recompile.
+        """
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fixed fraction must be in (0, 1], got {fraction}")
+        done = fraction >= 1
+        self.mix.fill_(0.0 if done else 1.0 - fraction)
+        self.fake.fill_(done)
+        self.is_fake, self.is_blending = done, not done
 
     def disable_special(self, kind: str) -> None:
         """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
@@ -199,7 +215,7 @@ class ScaleState(nn.Module):
     def gathering(self) -> bool:
         """True when a forward should feed the statistics: a real norm in a grad-enabled training
         pass, or an explicit measurement. A user's no-grad metric in train mode does not move σ."""
-        return not self.is_fake and ((self.training and torch.is_grad_enabled()) or self.collecting)
+        return not (self.is_fake or self.is_blending) and ((self.training and torch.is_grad_enabled()) or self.collecting)
 
     # ----- statistics -----
     def observe(self, x: torch.Tensor) -> None:
@@ -238,9 +254,10 @@ class ScaleState(nn.Module):
     def commit_ema(self, stats: torch.Tensor, momentum: float) -> None:
         """σ ← m·σ + (1−m)·mean, per token group with observations; then clear the accumulator.
 
-        `stats` is this module's accumulator, possibly summed over ranks. A fixed norm's σ is frozen.
+        `stats` is this module's accumulator, possibly summed over ranks. A fixed (or blending)
+        norm's σ is frozen.
         """
-        if not self.is_fake:
+        if not (self.is_fake or self.is_blending):
             old = self.sigmas()
             mean = stats[0] / stats[1].clamp_min(1)
             new = momentum * old + (1 - momentum) * mean
@@ -270,6 +287,8 @@ class ScaleState(nn.Module):
 
     def normalise(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The norm of `x` with this state's scale (statistics are gathered by the owning module)."""
+        if self.is_blending:
+            return self._blended(x, weight, bias)
         if not self.is_fake:
             return real_norm(x, self.kind, weight, bias, self.eps)
         sigma = self.token_sigma(x.shape[:-1])
@@ -278,6 +297,14 @@ class ScaleState(nn.Module):
         if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
             return centred_times(x, weight / sigma, bias)
         return torch.addcmul(bias, centre(x, "layer") / sigma.to(x.dtype), weight)
+
+
+    def _blended(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        h = x.float()
+        real = torch.sqrt(second_moment(h, self.kind) + self.eps).unsqueeze(-1)
+        scale = self.mix * real + (1 - self.mix) * self.token_sigma(x.shape[:-1])
+        out = (centre(h, self.kind) / scale).to(x.dtype) * weight
+        return out if bias is None else out + bias
 
 
 class FixedScaleNorm(nn.Module):
@@ -309,7 +336,7 @@ class SplitNorm(nn.Module):
     the `NormalisedProjection`s reading its output finish the norm per path. What it returns
     depends on `mode()` (Python mirrors only, so no host sync and the same answer on a
     checkpointing recompute):
-    - "real" (both paths real): the real norm, computed once for every projection; its reciprocal
+    - "real" (both paths real, not blending): the real norm, computed once for every projection; its reciprocal
       scale feeds both paths' statistics;
     - "fixed" (both fixed, one σ each): the part of the norm shared by the paths, centred input
       times weight; each projection divides its columns by their path's σ after the matmul;
@@ -330,7 +357,7 @@ class SplitNorm(nn.Module):
     def mode(self) -> Literal["real", "fixed", "split"]:
         """How the norm is shared between the paths (see the class docstring)."""
         qk, v = self.qk, self.v
-        if not qk.is_fake and not v.is_fake:
+        if not (qk.is_fake or qk.is_blending or v.is_fake or v.is_blending):
             return "real"
         if qk.is_fake and v.is_fake and not qk.wants_context and not v.wants_context:
             return "fixed"
@@ -421,8 +448,7 @@ class NormalisedProjection(nn.Module):
         states = [norm.path(p) for p in paths]
         if mode == "fixed":  # `x` is the centred input times the weight
             return self._fixed_columns(x, paths, states).view(shape)
-        if len(paths) == 1 or not any(s.is_fake for s in states):
-            # One scale for every column (one path, or both real): normalise once, one matmul.
+        if len(paths) == 1:  # `x` is the raw input: this path's norm, one matmul
             h = states[0].normalise(x, norm.weight, norm.bias)
             return self._project(h, slice(None)).view(shape)
         parts = []
