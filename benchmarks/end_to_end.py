@@ -57,7 +57,7 @@ def minimal_loop(config) -> float:
             group["lr"] = learning_rate(step, config)
         for m in range(accumulation):
             ids = batches.get(step, m, 0)
-            ce = model(input_ids=ids, labels=ids).loss
+            ce = model(input_ids=ids, labels=ids, use_cache=False).loss
             aux = auxiliary_loss(captured["x"], ids, data.eot_token_id, arch.eps, arch.norm_kind)
             ((ce + train.aux_loss_weight * aux) / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)

@@ -147,7 +147,7 @@ def make_step(model: nn.Module, ids: torch.Tensor, removal: bool) -> Callable[[]
     model.train()
 
     def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if removal:

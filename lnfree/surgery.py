@@ -147,7 +147,7 @@ def initialise_sigmas(model: nn.Module, batches: Iterable[torch.Tensor]) -> None
         state.collecting = True
     try:
         for input_ids in batches:
-            model(input_ids=input_ids)
+            model(input_ids=input_ids, use_cache=False)
     finally:
         for state in states:
             state.collecting = False

@@ -195,7 +195,7 @@ def held_out_ce(model: nn.Module, data: TokenData, n_sequences: int, batch_size:
     for chunk in tokens.split(batch_size):
         chunk = chunk.to(device)
         with autocast():
-            logits = model(input_ids=chunk).logits
+            logits = model(input_ids=chunk, use_cache=False).logits
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum")
     model.train(was_training)
     return total / (tokens.shape[0] * (tokens.shape[1] - 1))
@@ -496,13 +496,13 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
                 with autocast():
-                    output = model(input_ids=input_ids, labels=input_ids)
+                    output = model(input_ids=input_ids, labels=input_ids, use_cache=False)  # no KV cache to build
                 ce = output.loss
                 aux = auxiliary_loss(lnf_input.value, input_ids, data.eot_token_id, eps, arch.norm_kind)
                 kl = torch.zeros_like(ce)
                 if distill:
                     with torch.no_grad(), autocast():
-                        target = teacher(input_ids=input_ids).logits
+                        target = teacher(input_ids=input_ids, use_cache=False).logits
                     kl = kl_to_teacher(output.logits, target, train.distill_temperature)
                 loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux
                 accelerator.backward(loss / accumulation)
