@@ -303,3 +303,10 @@ def test_blending_attention_input_norm_is_normalised_per_path(family):
     torch.testing.assert_close(project(), real, rtol=1e-4, atol=1e-4)
     norm.qk.set_fixed_fraction(0.5)  # halfway to σ = 0.3 from a real scale near 3: the Q/K columns grow
     assert project().abs().max() > 1.5 * real.abs().max()  # divided by 0.5·3 + 0.5·0.3 instead of 3
+
+
+def test_centred_times_keeps_fp16_weights_finite():
+    x, weight, bias = torch.randn(4, 16), torch.rand(16) + 0.5, torch.randn(16)
+    expected = (x - x.mean(-1, keepdim=True)) * weight + bias
+    half = centred_times(x.half(), weight.half(), bias.half())
+    torch.testing.assert_close(half.float(), expected, rtol=1e-2, atol=1e-2)  # fp16: 3 decimal digits

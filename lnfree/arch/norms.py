@@ -120,8 +120,13 @@ def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     The kernel divides by the constant 2⁵⁰ (see CONSTANT_EPS) and the weight is scaled by 2⁵⁰, so
     this is exactly the centring, the weight and the bias for any input variance below 2⁷⁶; it
-    costs what a real LayerNorm costs instead of three elementwise passes each way.
+    costs what a real LayerNorm costs instead of three elementwise passes each way. fp16 weights
+    (a model loaded in fp16, not fp16 autocast over fp32 weights) cannot hold 2⁵⁰ × weight: there
+    it is computed elementwise.
     """
+    if weight.dtype == torch.float16:
+        out = centre(x, "layer") * weight
+        return out if bias is None else out + bias
     return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
 
 
