@@ -92,9 +92,13 @@ class Prediction(BaseModel):
         return sum(self.model_dump().values())
 
     def line(self) -> str:
-        """A one-line breakdown in GB."""
-        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.model_dump().items() if v)
-        return f"{self.total / GB:.1f} GB ({parts})"
+        """A one-line breakdown."""
+        parts = ", ".join(f"{k} {_size(v)}" for k, v in self.model_dump().items() if v)
+        return f"{_size(self.total)} ({parts})"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
 
 
 def model_shape(config) -> ModelShape:
@@ -268,7 +272,8 @@ def describe_run(config, model_config, context: int, micro_batch: int, gpus: int
     fits (else what would)."""
     shape = model_shape(model_config)
     setup = Setup(context=context, micro_batch=micro_batch, checkpointing=config.train.gradient_checkpointing,
-                  autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout))
+                  autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout),
+                  reserve_gb=Setup.model_fields["reserve_gb"].default if device.type == "cuda" else 0.0)
     prediction = predict(shape, setup, run_teacher(config, shape, gpu=device.type == "cuda"))
     line = f"memory plan: predicted peak {prediction.line()} per device"
     if device.type != "cuda":
