@@ -31,7 +31,6 @@ VARIANTS: dict[str, list[str]] = {
     "distill": ["train.distill_alpha=0.5"],
     "gradual": ["removal.blend_steps=6"],
     "adaptive": [ADAPTIVE],
-    "distill+gradual": ["train.distill_alpha=0.5", "removal.blend_steps=6"],
     "distill+gradual+adaptive": ["train.distill_alpha=0.5", "removal.blend_steps=6", ADAPTIVE],
 }
 RESULTS = Path(__file__).parent / "results" / "removal_quality"
