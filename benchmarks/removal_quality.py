@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 ADAPTIVE = 'removal.adaptive={"delta": 0.02, "min_gap": 2, "max_gap": 10, "window": 4}'
@@ -56,6 +57,14 @@ def run_one(job: tuple[str, int, int, str]) -> str:
     return str(out)
 
 
+def finished(root: Path, variant: str, seed: int) -> bool:
+    """True when the run has ended (and, for a removal, been exported)."""
+    folder = root / f"{variant}-s{seed}"
+    log = folder / "log.jsonl"
+    ended = log.is_file() and '"event": "end"' in log.read_text()
+    return ended and (variant == "vanilla" or (folder / "export" / "config.json").is_file())
+
+
 def model_source(root: Path, variant: str, seed: int) -> str:
     """What `lnfree.load` reads for a run: its export, or the final checkpoint of a control."""
     folder = root / f"{variant}-s{seed}"
@@ -70,13 +79,15 @@ def seconds_per_step(folder: Path) -> float:
 
 
 def score(root: Path, variants: list[str], seeds: list[int], n_sequences: int) -> dict:
-    """Held-out CE of every model and its JSD with the original, per seed."""
+    """Held-out CE of every finished model and its JSD with the original, per seed."""
     from lnfree.evaluate import evaluate
 
     per_seed = {}
     for seed in seeds:
-        labels = ["original", *variants]
-        sources = ["realtext", *(model_source(root, v, seed) for v in variants)]
+        if not finished(root, "vanilla", seed) or not finished(root, "p25", seed):
+            continue  # the table's references
+        labels = ["original", *(v for v in variants if finished(root, v, seed))]
+        sources = ["realtext", *(model_source(root, v, seed) for v in labels[1:])]
         report = evaluate(sources, "realtext", labels=labels, n_sequences=n_sequences)
         per_seed[seed] = {
             label: {"ce": report.model(label).ce.mean,
@@ -92,23 +103,30 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (max(values) - min(values)) / 2
 
 
-def table(per_seed: dict, variants: list[str], seeds: list[int]) -> str:
-    """The markdown table of the benchmark."""
-    def over_seeds(quantity, signed: bool = True) -> str:
-        mean, spread = mean_spread([quantity(per_seed[s]) for s in seeds])
-        return f"{mean:+.4f} ± {spread:.4f}" if signed else f"{mean:.4f} ± {spread:.4f}"
+def spread_cell(per_seed: dict, seeds: list[int], quantity, signed: bool = True) -> str:
+    """'mean ± half-range' of `quantity(row)` over the seeds' rows."""
+    mean, spread = mean_spread([quantity(per_seed[s]) for s in seeds])
+    return f"{mean:+.4f} ± {spread:.4f}" if signed else f"{mean:.4f} ± {spread:.4f}"
 
-    lines = ["| model | held-out CE | gap to original | gap to vanilla | mean JSD(original ‖ model) | time / step vs p25 |",
-             "|---|---|---|---|---|---|",
-             f"| original | {over_seeds(lambda row: row['original']['ce'], False)} | — | — | 0 | — |"]
+
+def table(per_seed: dict, variants: list[str]) -> str:
+    """The markdown table of the benchmark."""
+    lines = ["| model | seeds | held-out CE | gap to original | gap to vanilla | mean JSD(original ‖ model) | time / step vs p25 |",
+             "|---|---|---|---|---|---|---|",
+             f"| original | — | {spread_cell(per_seed, list(per_seed), lambda row: row['original']['ce'], False)} | — | — | 0 | — |"]
     for v in variants:
-        ce = over_seeds(lambda row: row[v]["ce"], False)
-        to_original = over_seeds(lambda row: row[v]["ce"] - row["original"]["ce"])
-        to_vanilla = over_seeds(lambda row: row[v]["ce"] - row["vanilla"]["ce"]) if v != "vanilla" else "—"
-        jsd = over_seeds(lambda row: row[v]["jsd_with_original"], False)
+        done = [s for s in per_seed if v in per_seed[s]]
+        if not done:
+            lines.append(f"| {v} | 0 | not run | | | | |")
+            continue
+        cell = partial(spread_cell, per_seed, done)
+        ce = cell(lambda row: row[v]["ce"], False)
+        to_original = cell(lambda row: row[v]["ce"] - row["original"]["ce"])
+        to_vanilla = cell(lambda row: row[v]["ce"] - row["vanilla"]["ce"]) if v != "vanilla" else "—"
+        jsd = cell(lambda row: row[v]["jsd_with_original"], False)
         ratio = statistics.fmean(per_seed[s][v]["seconds_per_step"] / per_seed[s]["p25"]["seconds_per_step"]
-                                 for s in seeds)
-        lines.append(f"| {v} | {ce} | {to_original} | {to_vanilla} | {jsd} | {ratio:.2f} |")
+                                 for s in done)
+        lines.append(f"| {v} | {len(done)} | {ce} | {to_original} | {to_vanilla} | {jsd} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -121,17 +139,21 @@ def main() -> None:
     parser.add_argument("--n-sequences", type=int, default=350, help="held-out sequences scored (350 = all)")
     parser.add_argument("--runs", default="runs/removal_quality", help="where the runs go")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--score-only", action="store_true", help="train nothing; score the runs that have finished")
     args = parser.parse_args()
     variants = list(dict.fromkeys(["vanilla", "p25", *args.variants]))  # the table's references always run
     root = Path(args.runs)
-    jobs = [(v, s, args.steps, str(root)) for s in args.seeds for v in variants]
-    with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-        for folder in pool.imap_unordered(run_one, jobs):
-            print(f"finished {folder}", flush=True)
+    # Variant by variant (every seed of one before the next), in the order given: a run cut short
+    # leaves whole variants done.
+    jobs = [(v, s, args.steps, str(root)) for v in variants for s in args.seeds]
+    if not args.score_only:
+        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+            for folder in pool.imap_unordered(run_one, jobs):
+                print(f"finished {folder}", flush=True)
     per_seed = score(root, variants, args.seeds, args.n_sequences)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = table(per_seed, variants, args.seeds)
+    md = table(per_seed, variants)
     command = "python " + " ".join(sys.argv)
     (out / "results.json").write_text(json.dumps(
         {"command": command, "steps": args.steps, "tokens_per_run": args.steps * 4096, "seeds": args.seeds,

@@ -236,6 +236,14 @@ def schedule(
             typer.echo(f"  step {e.step:>5}: {e.slot}")
     else:
         typer.echo(cfg.removal.schedule.describe(n_layer))
+    removal = cfg.removal
+    if removal.blend_steps > 1:
+        typer.echo(f"gradual: each removal blends into its fixed σ over {removal.blend_steps} steps")
+    if removal.adaptive:
+        a = removal.adaptive
+        typer.echo(f"adaptive: after the first, each removal waits {a.min_gap}–{a.max_gap} steps until the "
+                   f"training CE (mean of {a.window} steps) is within {a.delta} nats of its level before the "
+                   "previous one; the steps above are the schedule's order, not its timing")
 
 
 @app.command()
