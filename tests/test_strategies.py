@@ -247,3 +247,13 @@ def test_teacher_is_frozen_and_not_trained(run_config):
     teacher = load_teacher(config.model, torch.device("cpu"))
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     assert not any(isinstance(m, nn.Dropout) and m.training for m in teacher.modules())
+
+
+@pytest.mark.parametrize("name, n_layer", [("tiny-distill", 4), ("realtext-distill", 4), ("gpt2-distill", 12)])
+def test_strategy_presets_can_finish_their_latest_removal_within_the_run(name, n_layer):
+    from lnfree.config import load_preset
+    from lnfree.train import resolve_run
+
+    config, events = resolve_run(load_preset(name), n_layer)  # raises if the latest removal could not finish
+    assert config.train.distill_alpha > 0 and config.removal.blend_steps > 1 and config.removal.adaptive
+    assert len(events) == 3 * n_layer + 1
