@@ -63,9 +63,10 @@ def _base_config(preset: str | None, config_file: Path | None, model: str | None
         candidate = load_preset(name)
         if model in (name, candidate.model):
             return candidate
-    # Any other model: the GPT-2 small hyperparameters; context, schedule and length from the model,
-    # the model's own dropout (as P25 kept GPT-2's), a micro-batch that fits the step.
-    generic = load_preset("gpt2")
+    # Any other model: lnfree's default strategy with GPT-2 small's hyperparameters (gpt2-distill);
+    # context, schedule and length from the model, the model's own dropout (as P25 kept GPT-2's), a
+    # micro-batch that fits the step.
+    generic = load_preset("gpt2-distill")
     return generic.model_copy(update={
         "data": generic.data.model_copy(update={"context_length": None}),
         "removal": generic.removal.model_copy(update={"schedule": None}),
