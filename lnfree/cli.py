@@ -63,9 +63,10 @@ def _base_config(preset: str | None, config_file: Path | None, model: str | None
         candidate = load_preset(name)
         if model in (name, candidate.model):
             return candidate
-    # Any other model: the GPT-2 small hyperparameters; context, schedule and length from the model,
-    # the model's own dropout (as P25 kept GPT-2's), a micro-batch that fits the step.
-    generic = load_preset("gpt2")
+    # Any other model: lnfree's default strategy with GPT-2 small's hyperparameters (gpt2-distill);
+    # context, schedule and length from the model, the model's own dropout (as P25 kept GPT-2's), a
+    # micro-batch that fits the step.
+    generic = load_preset("gpt2-distill")
     return generic.model_copy(update={
         "data": generic.data.model_copy(update={"context_length": None}),
         "removal": generic.removal.model_copy(update={"schedule": None}),
@@ -236,6 +237,14 @@ def schedule(
             typer.echo(f"  step {e.step:>5}: {e.slot}")
     else:
         typer.echo(cfg.removal.schedule.describe(n_layer))
+    removal = cfg.removal
+    if removal.blend_steps > 1:
+        typer.echo(f"gradual: each removal blends into its fixed σ over {removal.blend_steps} steps")
+    if removal.adaptive:
+        a = removal.adaptive
+        typer.echo(f"adaptive: after the first, each removal waits {a.min_gap}–{a.max_gap} steps until the "
+                   f"training CE (mean of {a.window} steps) is within {a.delta} nats of its level before the "
+                   "previous one; the steps above are the schedule's order, not its timing")
 
 
 @app.command()

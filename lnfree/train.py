@@ -85,8 +85,10 @@ def resolve_run(
     validate the schedule (against the model's `slots` when given)."""
     removal, train = config.removal, config.train
     schedule = removal.schedule or derive_schedule(n_layer, stages=stages)
-    last = schedule.events(n_layer)[-1].step
-    max_steps = train.max_steps or max(3 * last, last + 1)
+    events = schedule.events(n_layer)
+    # The step at which the last norm is fixed at the latest (adaptive waits and blends included).
+    latest = (removal.adaptive.latest_step(events) if removal.adaptive else events[-1].step) + max(1, removal.blend_steps) - 1
+    max_steps = train.max_steps or max(3 * events[-1].step, latest + 1)
     config = config.model_copy(
         update={
             "removal": removal.model_copy(update={"schedule": schedule}),
@@ -96,12 +98,9 @@ def resolve_run(
     if removal.mode == "vanilla":
         return config, []
     events = schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
-    last = removal.adaptive.latest_step(events) if removal.adaptive else events[-1].step
-    if last + max(1, removal.blend_steps) - 1 >= max_steps:
-        raise ScheduleError(
-            f"the last removal can end at step {last + max(1, removal.blend_steps) - 1} (adaptive max_gap and "
-            f"blend_steps included), but the run ends after {max_steps} steps"
-        )
+    if latest >= max_steps:
+        raise ScheduleError(f"the last removal can end at step {latest} (adaptive max_gap and blend_steps "
+                            f"included), but the run ends after {max_steps} steps")
     return config, events
 
 

@@ -18,11 +18,13 @@ gathered = [torch.zeros_like(sigmas) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, sigmas)
 flags = [torch.zeros(len(surgery.scale_states(result.model))) for _ in range(dist.get_world_size())]
 dist.all_gather(flags, torch.tensor([float(s.is_fake) for s in surgery.scale_states(result.model).values()]))
+events = [None] * dist.get_world_size()
+dist.all_gather_object(events, result.events)
 if dist.get_rank() == 0:
     with open(sys.argv[2], "w") as f:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
                    "sigmas": [g.tolist() for g in gathered], "fake": [f.tolist() for f in flags],
-                   "held_out_ce_end": result.held_out_ce_end}, f)
+                   "events": events, "held_out_ce_end": result.held_out_ce_end}, f)
 close_distributed()
 # Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate
 # called without an active exception", exit -6) after every result above had been written.

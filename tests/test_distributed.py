@@ -29,8 +29,21 @@ def test_two_process_llama_run_freezes_identical_sigma(tmp_path):
     two_processes_match_one(family_run_config("llama", tokenizer, tmp_path, micro_batch_size=4), tmp_path)
 
 
-def two_processes_match_one(config, tmp_path):
-    """Run `config` on two gloo processes and on one; every rank must freeze the single run's σ."""
+def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every_rank(run_config, tmp_path):
+    from test_strategies import strategies_config
+
+    # delta 0 and a one-step window: each decision hinges on the noise of a single step's loss.
+    adaptive = {"delta": 0.0, "min_gap": 1, "max_gap": 4, "window": 1}
+    config = with_overrides(strategies_config(run_config, micro_batch_size=4), {"removal.adaptive": adaptive})
+    result = run_two_processes(config, tmp_path)
+    rank0, rank1 = result["events"]
+    assert rank0 == rank1 and len(rank0) == 7
+    assert torch.equal(*(torch.tensor(s) for s in result["sigmas"]))
+    assert all(all(flag == 1.0 for flag in rank) for rank in result["fake"])
+
+
+def run_two_processes(config, tmp_path) -> dict:
+    """Run `config` on two gloo processes; what `dist_worker.py` gathered from both ranks."""
     config_file = tmp_path / "dist.json"
     config_file.write_text(with_overrides(config, {"output_dir": str(tmp_path / "dist-run")}).model_dump_json())
     result_file = tmp_path / "result.json"
@@ -44,6 +57,12 @@ def two_processes_match_one(config, tmp_path):
     assert proc.returncode == 0, proc.stderr[-20000:]
     result = json.loads(result_file.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
+    return result
+
+
+def two_processes_match_one(config, tmp_path):
+    """Run `config` on two gloo processes and on one; every rank must freeze the single run's σ."""
+    result = run_two_processes(config, tmp_path)
     rank0, rank1 = (torch.tensor(s) for s in result["sigmas"])
     assert torch.equal(rank0, rank1)
     assert all(all(flag == 1.0 for flag in rank) for rank in result["fake"])
