@@ -250,10 +250,11 @@ def test_teacher_is_frozen_and_not_trained(run_config):
 
 
 @pytest.mark.parametrize("name, n_layer", [("tiny-distill", 4), ("realtext-distill", 4), ("gpt2-distill", 12)])
-def test_strategy_presets_can_finish_their_latest_removal_within_the_run(name, n_layer):
+def test_strategy_presets_distil_and_otherwise_follow_their_base_preset(name, n_layer):
     from lnfree.config import load_preset
     from lnfree.train import resolve_run
 
-    config, events = resolve_run(load_preset(name), n_layer)  # raises if the latest removal could not finish
-    assert config.train.distill_alpha > 0 and config.removal.blend_steps > 1 and config.removal.adaptive
-    assert len(events) == 3 * n_layer + 1
+    config, events = resolve_run(load_preset(name), n_layer)
+    base, _ = resolve_run(load_preset(name.removesuffix("-distill")), n_layer)
+    assert config.train.distill_alpha == 0.5 and base.train.distill_alpha == 0
+    assert config.removal == base.removal and len(events) == 3 * n_layer + 1
