@@ -40,7 +40,7 @@ class Timeline:
         self.next_group = sum(group[0].step < step for group in self.groups)
 
     def record(self, loss: torch.Tensor) -> None:
-        """The training loss of the step just done (a device scalar, averaged over ranks)."""
+        """The training loss of the step just done (a device scalar, averaged over ranks); adaptive timing only."""
         if self.adaptive is not None:
             self.recent = (self.recent + [loss.detach().float().reshape(())])[-self.adaptive.window:]
 

@@ -511,7 +511,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         optimizer.zero_grad(set_to_none=True)
         if removing:
             surgery.update_sigmas(bare, momentum)
-            timeline.record(accelerator.reduce(totals[1], "mean") if world > 1 else totals[1])
+            if config.removal.adaptive:  # its decisions need the loss averaged over processes
+                timeline.record(accelerator.reduce(totals[1], "mean") if world > 1 else totals[1])
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))
 
         done = step + 1

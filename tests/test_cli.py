@@ -143,8 +143,7 @@ def test_unknown_hub_id_fails_fast_when_offline(monkeypatch):
 def test_remove_adapts_the_micro_batch_and_resuming_a_finished_run_changes_nothing(model_dir, tmp_path):
     out = tmp_path / "run"
     args = ["remove", "--model", str(model_dir), "--data", "tiny", "-o", str(out), "--max-steps", "36",
-            "--tokens-per-step", "512", "--set", "train.distill_alpha=0", "--set", "removal.adaptive=null",
-            "--set", "removal.blend_steps=0", "--set", "data.max_documents=300", "--set", "data.context_length=64",
+            "--tokens-per-step", "512", "--set", "train.distill_alpha=0", "--set", "data.max_documents=300", "--set", "data.context_length=64",
             "--set", "data.eval_sequences=4", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--no-control"]
     result = runner.invoke(app, args)  # the generic GPT-2 micro-batch (32) does not fit 8 sequences a step
     assert result.exit_code == 0, result.output
