@@ -1,9 +1,12 @@
 """The removal schedule as data: stages that expand to an ordered list of events.
 
 A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`, `ln_1qk`,
-`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time from block 0 up, `gap` steps
-apart; `ln_f` is one switch; `eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without
-`start` begins where the previous stage ends: previous start + (switches in it) · gap.
+`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time, `gap` steps apart: every
+block from block 0 up, or the blocks listed in `layers` in that order (several stages of one kind
+then split the blocks between them, each block exactly once). `ln_f` is one switch;
+`eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without `start`
+begins where the previous stage ends: previous start + (switches in it) · gap. A stage's
+`blend_steps` overrides the run's (`removal.blend_steps`) for its removals.
 An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
 at the value the EMA reached after step s − 1.
 """
@@ -29,11 +32,15 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Event:
-    """One removal event: at `step`, switch `kind` (in block `layer` for per-layer kinds)."""
+    """One removal event: at `step`, switch `kind` (in block `layer` for per-layer kinds).
+
+    `blend_steps` is the stage's own gradual-removal length (None: the run's `removal.blend_steps`).
+    """
 
     step: int
     kind: str
     layer: int | None = None
+    blend_steps: int | None = None
 
     @property
     def slot(self) -> str:
@@ -48,6 +55,25 @@ class Stage(BaseModel):
     kind: Kind
     start: int | None = Field(default=None, ge=0)
     gap: int = Field(default=0, ge=0)
+    layers: list[int] | None = Field(
+        default=None, description="per-layer kinds: the blocks this stage switches, in this order (default: all, from 0 up)"
+    )
+    blend_steps: int | None = Field(default=None, ge=0, description="gradual removal length for this stage's switches")
+
+    @model_validator(mode="after")
+    def _layers(self) -> Stage:
+        if self.layers is not None:
+            if self.kind not in PER_LAYER_KINDS:
+                raise ValueError(f"'layers' applies to per-layer stages ({', '.join(PER_LAYER_KINDS)}), not {self.kind}")
+            if not self.layers or min(self.layers) < 0 or len(set(self.layers)) != len(self.layers):
+                raise ValueError(f"'layers' must list distinct block indices >= 0, got {self.layers}")
+        if self.blend_steps is not None and self.kind in SPECIAL_KINDS:
+            raise ValueError(f"{self.kind} turns a special σ off at once; it has no blend_steps")
+        return self
+
+    def blocks(self, n_layer: int) -> list[int]:
+        """The blocks this per-layer stage switches, in order."""
+        return list(range(n_layer)) if self.layers is None else self.layers
 
 
 class Schedule(BaseModel):
@@ -58,19 +84,18 @@ class Schedule(BaseModel):
 
     def events(self, n_layer: int) -> list[Event]:
         """Expand to events sorted by step (ties keep stage and block order)."""
-        events: list[Event] = []
+        return sorted((e for stage_events in self._per_stage(n_layer) for e in stage_events), key=lambda e: e.step)
+
+    def _per_stage(self, n_layer: int) -> list[list[Event]]:
+        out: list[list[Event]] = []
         start = 0
         for stage in self.stages:
             if stage.start is not None:
                 start = stage.start
-            if stage.kind in PER_LAYER_KINDS:
-                events += [Event(start + i * stage.gap, stage.kind, i) for i in range(n_layer)]
-                count = n_layer
-            else:
-                events.append(Event(start, stage.kind))
-                count = 1
-            start += count * stage.gap
-        return sorted(events, key=lambda e: e.step)
+            layers = stage.blocks(n_layer) if stage.kind in PER_LAYER_KINDS else [None]
+            out.append([Event(start + i * stage.gap, stage.kind, layer, stage.blend_steps) for i, layer in enumerate(layers)])
+            start += len(layers) * stage.gap
+        return out
 
     def check(
         self, n_layer: int, max_steps: int, special_pos0: bool = False, special_eot: bool = False,
@@ -81,8 +106,18 @@ class Schedule(BaseModel):
         Returns the events or raises ScheduleError.
         """
         kinds = [stage.kind for stage in self.stages]
-        if len(set(kinds)) != len(kinds):
-            raise ScheduleError(f"each kind may appear once in a schedule, got {kinds}")
+        once = [kind for kind in kinds if kind not in PER_LAYER_KINDS]
+        if len(set(once)) != len(once):
+            raise ScheduleError(f"ln_f and each special σ may appear once in a schedule, got {once}")
+        for kind in dict.fromkeys(k for k in kinds if k in PER_LAYER_KINDS):
+            stages = [stage for stage in self.stages if stage.kind == kind]
+            blocks = [b for stage in stages for b in stage.blocks(n_layer)]
+            if len(stages) > 1 and any(stage.layers is None for stage in stages):
+                raise ScheduleError(f"{kind} appears in {len(stages)} stages: give each of them its 'layers'")
+            if sorted(blocks) != list(range(n_layer)):
+                raise ScheduleError(
+                    f"the {kind} stages must switch every block 0–{n_layer - 1} exactly once, got {sorted(blocks)}"
+                )
         events = self.events(n_layer)
         if slots is not None:
             known = set(slots)
@@ -113,13 +148,23 @@ class Schedule(BaseModel):
     def describe(self, n_layer: int) -> str:
         """A human-readable timeline: one line per stage with its first and last step."""
         lines = []
-        events = self.events(n_layer)
-        for stage in self.stages:
-            steps = [e.step for e in events if e.kind == stage.kind]
+        for stage, events in zip(self.stages, self._per_stage(n_layer)):
+            steps = [e.step for e in events]
             span = f"step {steps[0]}" if len(set(steps)) == 1 else f"steps {steps[0]}–{steps[-1]} (every {stage.gap})"
             what = f"{len(steps)} × {stage.kind}" if stage.kind in PER_LAYER_KINDS else stage.kind
-            lines.append(f"{what:>14}: {span}")
+            if stage.layers is not None:
+                what += f" (blocks {_blocks(stage.layers)})"
+            blend = f", each blended over {stage.blend_steps} steps" if stage.blend_steps and stage.blend_steps > 1 else ""
+            lines.append(f"{what:>14}: {span}{blend}")
         return "\n".join(lines)
+
+
+def _blocks(layers: list[int]) -> str:
+    """'29–11' for a run of consecutive blocks (either direction), else the list."""
+    step = 1 if layers[-1] >= layers[0] else -1
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + step, step)):
+        return f"{layers[0]}–{layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 class Adaptive(BaseModel):

@@ -5,7 +5,8 @@ that `lnfree.surgery.apply_event` carries out before the step's forward passes. 
 the events happen at their scheduled steps; with `Adaptive` timing they keep the schedule's order
 but each waits until the smoothed training loss has recovered (`lnfree.schedule.Adaptive`).
 With `blend_steps` = k > 1 a removal at step s is gradual: the fixed fraction is 1/k at step s,
-2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1.
+2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1. A stage's own `blend_steps`
+(carried by its events) overrides the run's.
 
 Its decisions are a pure function of the per-step training losses it is given: the same on every
 rank (the losses are averaged over ranks first) and after a resume (`state_dict` holds what it
@@ -47,16 +48,21 @@ class Timeline:
     def actions(self, step: int) -> list[tuple[Event, float]]:
         """(event, fixed fraction) to apply before the forward passes of `step`, in schedule order."""
         for event in self._due(step):
-            self.applied.append(Event(step, event.kind, event.layer))
+            self.applied.append(Event(step, event.kind, event.layer, event.blend_steps))
         out = []
         for event in self.applied:
             progress = step - event.step + 1
+            blend = self.blend_of(event)
             if event.kind in SPECIAL_KINDS:
                 if progress == 1:
                     out.append((event, 1.0))
-            elif 1 <= progress <= self.blend_steps:
-                out.append((event, progress / self.blend_steps))
+            elif 1 <= progress <= blend:
+                out.append((event, progress / blend))
         return out
+
+    def blend_of(self, event: Event) -> int:
+        """Steps over which `event`'s norm moves to its fixed σ (1: an instant switch)."""
+        return max(1, event.blend_steps) if event.blend_steps is not None else self.blend_steps
 
     def _due(self, step: int) -> list[Event]:
         if self.next_group == len(self.groups):
@@ -95,7 +101,7 @@ class Timeline:
     def state_dict(self) -> dict:
         """JSON-ready state (what has happened and the losses seen since the latest removal)."""
         return {
-            "applied": [[e.step, e.kind, e.layer] for e in self.applied],
+            "applied": [[e.step, e.kind, e.layer, e.blend_steps] for e in self.applied],
             "next_group": self.next_group,
             "reference": self.reference,
             "recent": torch.stack(self.recent).tolist() if self.recent else [],
@@ -103,7 +109,7 @@ class Timeline:
 
     def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
         """Continue from `state_dict()` output."""
-        self.applied = [Event(step, kind, layer) for step, kind, layer in state["applied"]]
+        self.applied = [Event(*entry) for entry in state["applied"]]  # [step, kind, layer(, blend_steps)]
         self.next_group = state["next_group"]
         self.reference = state["reference"]
         self.recent = [torch.tensor(v, dtype=torch.float32, device=device) for v in state["recent"]]

@@ -87,7 +87,11 @@ def resolve_run(
     schedule = removal.schedule or derive_schedule(n_layer, stages=stages)
     events = schedule.events(n_layer)
     # The step at which the last norm is fixed at the latest (adaptive waits and blends included).
-    latest = (removal.adaptive.latest_step(events) if removal.adaptive else events[-1].step) + max(1, removal.blend_steps) - 1
+    blend = Timeline(events, removal.blend_steps).blend_of
+    if removal.adaptive:
+        latest = removal.adaptive.latest_step(events) + max(blend(e) for e in events) - 1
+    else:
+        latest = max(e.step + blend(e) - 1 for e in events)
     max_steps = train.max_steps or max(3 * events[-1].step, latest + 1)
     config = config.model_copy(
         update={

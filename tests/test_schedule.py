@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lnfree.config import load_preset, preset_names, with_overrides
+from lnfree.config import RunConfig, load_preset, preset_names, with_overrides
 from lnfree.schedule import Schedule, ScheduleError, Stage, derive_schedule
 from lnfree.train import resolve_run
 
@@ -74,8 +74,52 @@ def test_refuses_schedules_that_cannot_run():
         derive_schedule(12).check(12, max_steps=50)
     with pytest.raises(ScheduleError, match="never turns it off"):
         derive_schedule(2).check(2, 100, special_eot=True)
-    with pytest.raises(ScheduleError, match="once"):
+    with pytest.raises(ScheduleError, match="give each of them its 'layers'"):
         Schedule(stages=[Stage(kind="ln_2"), Stage(kind="ln_2")]).check(2, 100)
+    with pytest.raises(ScheduleError, match="may appear once"):
+        Schedule(stages=[Stage(kind="ln_2"), Stage(kind="ln_f"), Stage(kind="ln_f")]).check(2, 100)
+
+
+def test_stages_can_split_a_kind_over_blocks_in_any_order_with_their_own_blend():
+    schedule = Schedule(stages=[
+        Stage(kind="ln_2", start=2, gap=1, layers=[3, 2]),
+        Stage(kind="ln_1qk", gap=0),
+        Stage(kind="ln_1v", gap=1),
+        Stage(kind="ln_f"),
+        Stage(kind="ln_2", gap=5, layers=[1, 0], blend_steps=4),
+    ])
+    events = schedule.check(4, max_steps=30)
+    assert [(e.step, e.slot, e.blend_steps) for e in events if e.kind == "ln_2"] == [
+        (2, "blocks.3.ln_2", None), (3, "blocks.2.ln_2", None), (8, "blocks.1.ln_2", 4), (13, "blocks.0.ln_2", 4)]
+    assert [e.step for e in events if e.kind == "ln_1v"] == [4, 5, 6, 7]
+    assert [(e.step, e.slot) for e in events[-3:]] == [(8, "ln_f"), (8, "blocks.1.ln_2"), (13, "blocks.0.ln_2")]
+    assert "2 × ln_2 (blocks 1, 0): steps 8–13 (every 5), each blended over 4 steps" in schedule.describe(4)
+    # The run is long enough only if the last blend (block 0's, steps 13–16) ends inside it.
+    config = RunConfig(model="tiny", train={"max_steps": 17},
+                       removal={"schedule": schedule.model_dump(), "blend_steps": 0})
+    assert resolve_run(config, 4)[0].train.max_steps == 17
+    with pytest.raises(ScheduleError, match="end at step 16"):
+        resolve_run(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 16})}), 4)
+
+
+@pytest.mark.parametrize("layers, match", [
+    ([[0, 1], [1, 2]], "exactly once"),
+    ([[0, 1], [3]], "exactly once"),
+    ([[0, 1, 2, 3, 4], None], "give each"),
+])
+def test_stages_that_split_a_kind_must_cover_every_block_once(layers, match):
+    stages = [Stage(kind="ln_2", gap=1, layers=chosen) for chosen in layers]
+    with pytest.raises(ScheduleError, match=match):
+        Schedule(stages=[*stages, Stage(kind="ln_1qk"), Stage(kind="ln_1v"), Stage(kind="ln_f")]).check(4, 100)
+
+
+def test_stage_fields_are_checked_when_the_config_is_read():
+    with pytest.raises(ValueError, match="per-layer stages"):
+        Stage(kind="ln_f", layers=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        Stage(kind="ln_2", layers=[1, 1])
+    with pytest.raises(ValueError, match="no blend_steps"):
+        Stage(kind="pos0_special", blend_steps=3)
 
 
 def test_resolving_a_preset_with_too_few_steps_is_an_error_before_training():

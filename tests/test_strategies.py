@@ -129,6 +129,18 @@ def test_fixed_gaps_with_a_blend_ramp_each_slot_to_exactly_fixed():
     assert seen[9] == [] and [e.step for e in timeline.applied] == [e.step for e in _events()]
 
 
+def test_a_stage_blend_overrides_the_run_blend_and_survives_a_restore():
+    events = [Event(0, "ln_2", 0, blend_steps=4), Event(1, "ln_2", 1), Event(2, "ln_f", None, blend_steps=1)]
+    timeline = Timeline(events, blend_steps=2)
+    assert [(e.slot, f) for e, f in timeline.actions(0)] == [("blocks.0.ln_2", 0.25)]
+    restored = Timeline(events, blend_steps=2)
+    restored.load_state_dict(json.loads(json.dumps(timeline.state_dict())))
+    seen = {step: [(e.slot, f) for e, f in restored.actions(step)] for step in range(1, 5)}
+    assert seen[1] == [("blocks.0.ln_2", 0.5), ("blocks.1.ln_2", 0.5)]
+    assert seen[2] == [("blocks.0.ln_2", 0.75), ("blocks.1.ln_2", 1.0), ("ln_f", 1.0)]
+    assert seen[3] == [("blocks.0.ln_2", 1.0)] and seen[4] == []
+
+
 def _drive(timeline: Timeline, losses: dict[int, float], steps: range) -> list[tuple[int, str]]:
     happened = []
     for step in steps:
