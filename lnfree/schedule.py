@@ -6,7 +6,8 @@ block from block 0 up, or the blocks listed in `layers` in that order (several s
 then split the blocks between them, each block exactly once). `ln_f` is one switch;
 `eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without `start`
 begins where the previous stage ends: previous start + (switches in it) · gap. A stage's
-`blend_steps` overrides the run's (`removal.blend_steps`) for its removals.
+`blend_steps` overrides the run's (`removal.blend_steps`) for its removals; on a special-σ stage
+it fades that σ into the general one over as many steps (otherwise it is turned off at once).
 An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
 at the value the EMA reached after step s − 1.
 """
@@ -58,7 +59,7 @@ class Stage(BaseModel):
     layers: list[int] | None = Field(
         default=None, description="per-layer kinds: the blocks this stage switches, in this order (default: all, from 0 up)"
     )
-    blend_steps: int | None = Field(default=None, ge=0, description="gradual removal length for this stage's switches")
+    blend_steps: int | None = Field(default=None, ge=0, description="gradual removal length for this stage's switches (special σ: fade-out length)")
 
     @model_validator(mode="after")
     def _layers(self) -> Stage:
@@ -67,8 +68,6 @@ class Stage(BaseModel):
                 raise ValueError(f"'layers' applies to per-layer stages ({', '.join(PER_LAYER_KINDS)}), not {self.kind}")
             if not self.layers or min(self.layers) < 0 or len(set(self.layers)) != len(self.layers):
                 raise ValueError(f"'layers' must list distinct block indices >= 0, got {self.layers}")
-        if self.blend_steps is not None and self.kind in SPECIAL_KINDS:
-            raise ValueError(f"{self.kind} turns a special σ off at once; it has no blend_steps")
         return self
 
     def blocks(self, n_layer: int) -> list[int]:
@@ -154,7 +153,9 @@ class Schedule(BaseModel):
             what = f"{len(steps)} × {stage.kind}" if stage.kind in PER_LAYER_KINDS else stage.kind
             if stage.layers is not None:
                 what += f" (blocks {_blocks(stage.layers)})"
-            blend = f", each blended over {stage.blend_steps} steps" if stage.blend_steps and stage.blend_steps > 1 else ""
+            blend = ""
+            if stage.blend_steps and stage.blend_steps > 1:
+                blend = f", {'each ' if stage.kind in PER_LAYER_KINDS else ''}{'faded' if stage.kind in SPECIAL_KINDS else 'blended'} over {stage.blend_steps} steps"
             lines.append(f"{what:>14}: {span}{blend}")
         return "\n".join(lines)
 

@@ -170,13 +170,13 @@ def apply_event(model: nn.Module, event: Event, fraction: float = 1.0) -> list[s
     """Carry out one schedule event; returns the slots it changed.
 
     `fraction` < 1 is a step of a gradual removal: the slot divides by a blend of its real
-    per-token scale and its (now frozen) σ (`ScaleState.set_fixed_fraction`). Special-σ events
-    are always instant.
+    per-token scale and its (now frozen) σ (`ScaleState.set_fixed_fraction`); for a special-σ
+    event, its tokens' σ moves geometrically towards the general σ (`ScaleState.fade_special`).
     """
     states = scale_states(model)
     if event.kind in SPECIALS:
         for state in states.values():
-            state.disable_special(SPECIALS[event.kind])
+            state.fade_special(SPECIALS[event.kind], fraction)
         return [event.kind]
     states[event.slot].set_fixed_fraction(fraction)
     return [event.slot]
@@ -191,8 +191,12 @@ def removal_state(model: nn.Module) -> dict[str, dict]:
             entry["fixed_fraction"] = 1 - float(state.mix)
         if state.has_pos0:
             entry.update(sigma_pos0=float(state.sigma_pos0), pos0_active=state.pos0_on)
+            if state.pos0_on and float(state.pos0_fade) > 0:
+                entry["pos0_fade"] = float(state.pos0_fade)
         if state.has_eot:
             entry.update(sigma_eot=float(state.sigma_eot), eot_active=state.eot_on)
+            if state.eot_on and float(state.eot_fade) > 0:
+                entry["eot_fade"] = float(state.eot_fade)
         out[name] = entry
     return out
 

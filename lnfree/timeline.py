@@ -6,7 +6,8 @@ the events happen at their scheduled steps; with `Adaptive` timing they keep the
 but each waits until the smoothed training loss has recovered (`lnfree.schedule.Adaptive`).
 With `blend_steps` = k > 1 a removal at step s is gradual: the fixed fraction is 1/k at step s,
 2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1. A stage's own `blend_steps`
-(carried by its events) overrides the run's.
+(carried by its events) overrides the run's; a special-σ stage with `blend_steps` fades that σ
+out over as many steps (`lnfree.arch.norms.ScaleState.fade_special`).
 
 Its decisions are a pure function of the per-step training losses it is given: the same on every
 rank (the losses are averaged over ranks first) and after a resume (`state_dict` holds what it
@@ -53,16 +54,18 @@ class Timeline:
         for event in self.applied:
             progress = step - event.step + 1
             blend = self.blend_of(event)
-            if event.kind in SPECIAL_KINDS:
-                if progress == 1:
-                    out.append((event, 1.0))
-            elif 1 <= progress <= blend:
+            if 1 <= progress <= blend:
                 out.append((event, progress / blend))
         return out
 
     def blend_of(self, event: Event) -> int:
-        """Steps over which `event`'s norm moves to its fixed σ (1: an instant switch)."""
-        return max(1, event.blend_steps) if event.blend_steps is not None else self.blend_steps
+        """Steps over which `event`'s norm moves to its fixed σ, or its special σ fades out (1: at once).
+
+        The run's `blend_steps` applies to norms only; a special σ fades only over its own stage's.
+        """
+        if event.blend_steps is not None:
+            return max(1, event.blend_steps)
+        return 1 if event.kind in SPECIAL_KINDS else self.blend_steps
 
     def _due(self, step: int) -> list[Event]:
         if self.next_group == len(self.groups):

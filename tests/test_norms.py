@@ -116,6 +116,33 @@ def test_position0_sigma_is_applied_per_position_not_per_channel():
     torch.testing.assert_close(y, fixed_sigma_ln(x, ln_f.weight, ln_f.bias, 2.0))
 
 
+def test_a_faded_position0_sigma_moves_geometrically_to_the_general_sigma_and_survives_a_reload():
+    model = small_gpt2(n_layer=1)
+    surgery.install(model, special_pos0=True)
+    ln_f = model.transformer.ln_f
+    ln_f.state.sigma.fill_(2.0)
+    ln_f.state.sigma_pos0.fill_(50.0)
+    ln_f.state.switch_to_fake()
+    captured = {}
+    ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    tokens = torch.randint(0, 64, (2, 7))
+    for fraction, pos0_sigma in ((0.5, 10.0), (0.25, 50.0 * 0.04**0.25)):  # √(50·2) = 10
+        surgery.apply_event(model, Event(0, "pos0_special"), fraction)
+        model(input_ids=tokens)
+        x, y = captured["x"], captured["y"]
+        torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, pos0_sigma))
+        torch.testing.assert_close(y[:, 1:], fixed_sigma_ln(x[:, 1:], ln_f.weight, ln_f.bias, 2.0))
+    assert surgery.removal_state(model)["ln_f"]["pos0_fade"] == 0.25
+    reloaded = small_gpt2(n_layer=1)
+    surgery.install(reloaded, special_pos0=True)
+    reloaded.load_state_dict(model.state_dict())
+    torch.testing.assert_close(reloaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    surgery.apply_event(model, Event(0, "pos0_special"), 1.0)
+    assert not ln_f.state.pos0_on and float(ln_f.state.pos0_fade) == 0
+    model(input_ids=tokens)
+    torch.testing.assert_close(captured["y"], fixed_sigma_ln(captured["x"], ln_f.weight, ln_f.bias, 2.0))
+
+
 def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
     model = small_gpt2(n_layer=1)
     surgery.install(model, special_eot=True, eot_token_id=5)

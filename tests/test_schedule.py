@@ -118,8 +118,6 @@ def test_stage_fields_are_checked_when_the_config_is_read():
         Stage(kind="ln_f", layers=[0])
     with pytest.raises(ValueError, match="distinct"):
         Stage(kind="ln_2", layers=[1, 1])
-    with pytest.raises(ValueError, match="no blend_steps"):
-        Stage(kind="pos0_special", blend_steps=3)
 
 
 def test_resolving_a_preset_with_too_few_steps_is_an_error_before_training():

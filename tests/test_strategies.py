@@ -141,6 +141,15 @@ def test_a_stage_blend_overrides_the_run_blend_and_survives_a_restore():
     assert seen[3] == [("blocks.0.ln_2", 1.0)] and seen[4] == []
 
 
+def test_a_special_sigma_fades_only_over_its_own_stage_blend():
+    events = [Event(0, "ln_f"), Event(1, "pos0_special", blend_steps=4), Event(1, "eot_special")]
+    timeline = Timeline(events, blend_steps=2)
+    seen = {step: [(e.slot, f) for e, f in timeline.actions(step)] for step in range(6)}
+    assert seen[0] == [("ln_f", 0.5)]
+    assert seen[1] == [("ln_f", 1.0), ("pos0_special", 0.25), ("eot_special", 1.0)]
+    assert seen[4] == [("pos0_special", 1.0)] and seen[5] == []
+
+
 def _drive(timeline: Timeline, losses: dict[int, float], steps: range) -> list[tuple[int, str]]:
     happened = []
     for step in steps:

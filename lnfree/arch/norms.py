@@ -158,12 +158,15 @@ class ScaleState(nn.Module):
         self.register_buffer("fake", torch.zeros((), dtype=torch.bool))
         # Gradual removal: while 0 < mix < 1 the norm divides by mix·(real scale) + (1 − mix)·σ, σ frozen.
         self.register_buffer("mix", torch.zeros(()))
+        # A special σ is turned off at once, or faded: its tokens divide by σ_special^(1 − fade) · σ^fade.
         if special_pos0:
             self.register_buffer("sigma_pos0", torch.ones(()))
             self.register_buffer("pos0_active", torch.ones((), dtype=torch.bool))
+            self.register_buffer("pos0_fade", torch.zeros(()))
         if special_eot:
             self.register_buffer("sigma_eot", torch.ones(()))
             self.register_buffer("eot_active", torch.ones((), dtype=torch.bool))
+            self.register_buffer("eot_fade", torch.zeros(()))
         self.register_buffer("stats", torch.zeros(2, 3), persistent=False)
         self.context: TokenContext | None = None
         self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
@@ -177,7 +180,9 @@ class ScaleState(nn.Module):
         self.eot_on = self.has_eot and bool(self.eot_active)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        state_dict.setdefault(prefix + "mix", torch.zeros(()))  # checkpoints from before gradual removal
+        for name in ("mix", "pos0_fade", "eot_fade"):  # checkpoints from before gradual removal
+            if hasattr(self, name):
+                state_dict.setdefault(prefix + name, torch.zeros(()))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh_mirrors()
 
@@ -206,10 +211,23 @@ class ScaleState(nn.Module):
 
     def disable_special(self, kind: str) -> None:
         """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
+        self.fade_special(kind, 1.0)
+
+    def fade_special(self, kind: str, fraction: float) -> None:
+        """Turn the special σ `kind` ('pos0' or 'eot') off gradually: its tokens divide by
+        σ_special^(1 − fraction) · σ^fraction (a geometric blend; 1 turns it off). A buffer written
+        in place: no host sync, no recompile."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fade fraction must be in (0, 1], got {fraction}")
         if kind == "pos0" and self.has_pos0:
-            self.pos0_active.fill_(False)
+            active, fade = self.pos0_active, self.pos0_fade
         elif kind == "eot" and self.has_eot:
-            self.eot_active.fill_(False)
+            active, fade = self.eot_active, self.eot_fade
+        else:
+            return
+        done = fraction >= 1
+        active.fill_(not done)
+        fade.fill_(0.0 if done else fraction)
         self._refresh_mirrors()
 
     @property
@@ -285,10 +303,13 @@ class ScaleState(nn.Module):
         pos0, eot = self.context.masks(shape)
         sigma = self.sigma.expand(shape)
         if self.eot_on:
-            sigma = torch.where(eot, self.sigma_eot, sigma)
+            sigma = torch.where(eot, self._faded(self.sigma_eot, self.eot_fade), sigma)
         if self.pos0_on:
-            sigma = torch.where(pos0, self.sigma_pos0, sigma)
+            sigma = torch.where(pos0, self._faded(self.sigma_pos0, self.pos0_fade), sigma)
         return sigma.unsqueeze(-1)
+
+    def _faded(self, special: torch.Tensor, fade: torch.Tensor) -> torch.Tensor:
+        return special * (self.sigma / special) ** fade  # exactly `special` at fade 0
 
     def normalise(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The norm of `x` with this state's scale (statistics are gathered by the owning module)."""
