@@ -271,6 +271,30 @@ def _truncate_log(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm became non-finite; the run stopped without saving that state.
+
+    A ValueError because its cause is the run's configuration (the CLI reports it as one line)."""
+
+
+def _stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Path) -> None:
+    """Raise `TrainingDiverged` if a step in `rows` (the steps up to `done`, one row each) was not finite."""
+    finite = torch.isfinite(rows).all(dim=1).tolist()
+    if all(finite):
+        return
+    bad = done - len(rows) + finite.index(False) + 1
+    recent = [f"{e.slot} at step {e.step}" for e in timeline.applied if e.step >= bad - 10][-5:]
+    saved, _ = checkpoints(out)
+    raise TrainingDiverged(
+        f"training diverged: the loss or gradient norm was not finite at step {bad}"
+        + (f", just after removing {', '.join(recent)}" if recent else "")
+        + f". Nothing after step {bad - 1} was saved; the latest checkpoint is "
+        + (f"{saved[-1].name}." if saved else "none.")
+        + " Common remedies: a lower learning rate, a slower schedule (larger gaps, stage blend_steps, "
+        "a special σ for outlier positions) or distillation (train.distill_alpha)."
+    )
+
+
 def _event_record(event: Event, model: nn.Module) -> dict:
     record = {"event": "remove", "step": event.step, "slot": event.slot}
     if event.kind not in surgery.SPECIALS:
@@ -520,6 +544,9 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))
 
         done = step + 1
+        saving = train.save_every and done % train.save_every == 0 and done != train.max_steps
+        if done % train.log_every == 0 or done == train.max_steps or saving:  # before a non-finite model is saved
+            _stop_if_diverged(torch.stack(pending), done, timeline, out)
         if done % train.log_every == 0 or done == train.max_steps:
             values = torch.stack(pending).mean(0).tolist()
             pending.clear()
@@ -532,7 +559,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
             log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored})
-        if train.save_every and done % train.save_every == 0 and done != train.max_steps:
+        if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
                              "timeline": timeline.state_dict()})

@@ -16,7 +16,8 @@ from lnfree.data import DataError
 from lnfree.export import load_checkpoint
 from lnfree.load import load
 from lnfree.models import ModelError
-from lnfree.train import RunError, latest_checkpoint, micro_batches, run
+from lnfree import train as train_module
+from lnfree.train import RunError, TrainingDiverged, latest_checkpoint, micro_batches, run
 
 
 def records(path, after_resume=False):
@@ -48,6 +49,23 @@ def test_resume_from_mid_removal_checkpoint_is_exact(run_config, tmp_path):
     assert surgery.removal_state(resumed.model) == surgery.removal_state(full.model)
     assert resumed.held_out_ce_end == pytest.approx(full.held_out_ce_end, rel=1e-6)
     assert surgery.is_fully_removed(full.model)
+
+
+def test_a_diverging_run_stops_with_its_step_and_never_saves_the_non_finite_state(run_config, monkeypatch):
+    calls = {"n": 0}
+    real = train_module.auxiliary_loss
+
+    def aux_that_overflows_at_step_4(*args, **kwargs):  # one call per step (no gradient accumulation here)
+        calls["n"] += 1
+        value = real(*args, **kwargs)
+        return value * float("inf") if calls["n"] == 4 else value
+
+    monkeypatch.setattr(train_module, "auxiliary_loss", aux_that_overflows_at_step_4)
+    config = run_config(save_every=2, log_every=5, micro_batch_size=8)
+    with pytest.raises(TrainingDiverged, match=r"not finite at step 4, just after removing .*latest checkpoint is step_000002"):
+        run(config, progress=False)
+    saved = sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir())
+    assert saved == ["step_000002"]
 
 
 def test_checkpoint_reloads_with_its_removal_state(run_config):
