@@ -5,6 +5,8 @@
 #   experiments/smollm2/run.sh [--dry-run] [original|all]
 #     original  only the analyses and the evaluation of the original model
 #     all       (default) also the LN-free run, its vanilla control, verify, eval and analyses of all three
+#               (today the LN-free run stops with TrainingDiverged within a few steps: see
+#               experiments/results/smollm2-135m/README.md)
 #
 # Config: experiments/smollm2/cpu.toml (the demonstration budget, reasons inside); the control is the
 # same config with --mode vanilla. Runs (weights) go to runs/smollm2-135m-cpu/ (not committed); tables,
