@@ -234,8 +234,9 @@ def test_export_chooses_eps_from_massive_activations_and_stays_exact(tokenizer, 
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     relative = lambda logits: ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).max()  # noqa: E731
     with torch.no_grad():
-        assert relative(plain(input_ids=x).logits) <= 1e-5
-        naive = to_eps_trick(model, eps=1e12)  # the published eps is not enough here
-        assert relative(naive(input_ids=x).logits) > 1e-4
+        # fp32 rounding through logits of ~1e12 leaves ~1e-5 (the two forms round in different orders)
+        assert relative(plain(input_ids=x).logits) <= 1e-4
+        naive = to_eps_trick(model, eps=1e12)  # the published eps is not enough here: relative error ~1
+        assert relative(naive(input_ids=x).logits) > 1e-2
     for name, param in plain.named_parameters():
         assert torch.isfinite(param).all() and torch.isfinite(param.bfloat16()).all(), name

@@ -285,14 +285,30 @@ def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
         torch.testing.assert_close(state.stats[0, :2], expected, rtol=1e-5, atol=0)
     model.eval()
     for state in surgery.scale_states(model).values():
+        if state is norm.v:
+            state.sigma.mul_(1.7)  # the V path's σ differs from the Q/K path's
         if state.has_pos0:
             state.sigma_pos0.copy_(state.sigma)
         state.switch_to_fake()
+    if norm.bias is not None:  # a norm bias exercises the V columns' offset
+        with torch.no_grad():
+            norm.bias.normal_(0, 0.5)
+
+    def logits_and_gradients():
+        model.zero_grad()
+        logits = model(input_ids=x).logits
+        logits.square().mean().backward()
+        return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
     assert norm.mode() == "split"
-    per_path = model(input_ids=x).logits
+    per_path, per_path_grads = logits_and_gradients()
     surgery.apply_event(model, Event(0, "pos0_special"))
     assert norm.mode() == "fixed"
-    torch.testing.assert_close(model(input_ids=x).logits, per_path, rtol=1e-5, atol=1e-5)
+    shared, shared_grads = logits_and_gradients()
+    torch.testing.assert_close(shared, per_path, rtol=1e-5, atol=1e-5)
+    assert shared_grads.keys() == per_path_grads.keys()
+    for name, grad in shared_grads.items():
+        torch.testing.assert_close(grad, per_path_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4, 1e10])  # input variances up to 1e20 (< 2^76)

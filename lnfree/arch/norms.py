@@ -130,6 +130,16 @@ def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
 
 
+def rms_times(x: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x / σ · weight, the fixed-scale RMSNorm, in fp32 (as transformers computes RMSNorm) and in one
+    pass when σ is one number: x · (weight / σ). The result has transformers' dtype (weight's and
+    x's promoted)."""
+    dtype = torch.promote_types(weight.dtype, x.dtype)
+    if sigma.dim() == 0:
+        return (x.float() * (weight.float() / sigma)).to(dtype)
+    return (weight * (x.float() / sigma).to(x.dtype)).to(dtype)
+
+
 def scale_from_rstd(rstd: torch.Tensor) -> torch.Tensor:
     """Per-token scales (fp32, detached, shape of the tokens) from a norm's reciprocal scales (..., 1)."""
     return rstd.detach().float().reciprocal().squeeze(-1)
@@ -318,8 +328,8 @@ class ScaleState(nn.Module):
         if not self.is_fake:
             return real_norm(x, self.kind, weight, bias, self.eps)
         sigma = self.token_sigma(x.shape[:-1])
-        if self.kind == "rms":  # as transformers: divide in fp32, cast back, then the weight
-            return weight * (x.float() / sigma).to(x.dtype)
+        if self.kind == "rms":
+            return rms_times(x, weight, sigma)
         if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
             return centred_times(x, weight / sigma, bias)
         return torch.addcmul(bias, centre(x, "layer") / sigma.to(x.dtype), weight)
@@ -364,8 +374,9 @@ class SplitNorm(nn.Module):
     checkpointing recompute):
     - "real" (both paths real, not blending): the real norm, computed once for every projection; its reciprocal
       scale feeds both paths' statistics;
-    - "fixed" (both fixed, one σ each): the part of the norm shared by the paths, centred input
-      times weight; each projection divides its columns by their path's σ after the matmul;
+    - "fixed" (both fixed, one σ each): the Q/K path's fixed-scale norm (σ folded into the weight
+      vector, one pass); projections reading it need nothing more for Q/K columns and rescale
+      their V columns by σ_qk/σ_v after the matmul;
     - "split" (anything else): the raw input; each projection normalises per path.
     """
 
@@ -400,9 +411,9 @@ class SplitNorm(nn.Module):
             self.v.accumulate(scale)
             return out
         if mode == "fixed":
-            if self.kind == "rms":  # as transformers: the product in fp32, cast back
-                return (x.float() * self.weight.float()).to(x.dtype)
-            return centred_times(x, self.weight, None)
+            if self.kind == "rms":
+                return rms_times(x, self.weight, self.qk.sigma)
+            return centred_times(x, self.weight / self.qk.sigma, self.bias)
         for state in (self.qk, self.v):
             if state.gathering:
                 state.observe(x)
@@ -490,27 +501,30 @@ class NormalisedProjection(nn.Module):
         return out.view(shape)
 
     def _fixed_columns(self, h: torch.Tensor, paths: list[str], states: list[ScaleState]) -> torch.Tensor:
-        """Every path fixed, one σ each, `h` = centred input × weight: (h @ W) / σ_path + (b @ W + bias).
+        """Every path fixed, `h` = the Q/K path's normalised input: Q/K columns are h @ W + bias, one
+        matmul; V columns need the V path's σ instead.
 
-        One matmul; the division by σ and both biases are one fused multiply-add on its output.
+        With r = σ_qk/σ_v and the norm's bias b, the V path's input is r·(h − b) + b, so its columns
+        are r·(h @ W + bias) + (1 − r)·(b @ W + bias): one fused multiply-add on the matmul's output,
+        and none for a projection without V columns (Llama's q_proj and k_proj).
         """
-        if len(states) == 1:
-            scale = states[0].sigma.reciprocal()
-        else:
-            scale = torch.empty(self.out_features, dtype=states[0].sigma.dtype, device=h.device)
-            for path, state in zip(paths, states):
-                scale[self._columns(path)] = state.sigma.reciprocal()
-        w = self.matrix()
-        projected = torch.mm(h.reshape(-1, h.shape[-1]), w)
-        bias = self.bias
-        norm_bias = self.norm.bias
-        if norm_bias is not None:
-            folded = norm_bias @ w
-            bias = folded if bias is None else bias + folded
-        scale = scale.to(projected.dtype)
-        if bias is None:
+        projected = self._project(h, slice(None))
+        if "v" not in paths:
+            return projected
+        r = (self.norm.qk.sigma / self.norm.v.sigma).to(projected.dtype)
+        columns = self._columns("v")
+        offset = self.norm.bias @ self.matrix()[:, columns] if self.norm.bias is not None else None  # b @ W, V columns
+        if self.bias is not None:
+            offset = self.bias[columns] if offset is None else offset + self.bias[columns]
+        if paths == ["v"]:  # every column on the V path
+            return projected * r if offset is None else torch.lerp(offset.to(projected.dtype), projected, r)
+        scale = torch.ones(self.out_features, dtype=projected.dtype, device=projected.device)
+        scale[columns] = r
+        if offset is None:
             return projected * scale
-        return torch.addcmul(bias.to(projected.dtype), projected, scale)
+        shift = torch.zeros_like(scale)
+        shift[columns] = (1 - r) * offset.to(projected.dtype)
+        return torch.addcmul(shift, projected, scale)
 
 
 def _empty(columns, width: int) -> bool:
