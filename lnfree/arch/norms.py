@@ -121,10 +121,12 @@ def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     The kernel divides by the constant 2⁵⁰ (see CONSTANT_EPS) and the weight is scaled by 2⁵⁰, so
     this is exactly the centring, the weight and the bias for any input variance below 2⁷⁶; it
     costs what a real LayerNorm costs instead of three elementwise passes each way. fp16 weights
-    (a model loaded in fp16, not fp16 autocast over fp32 weights) cannot hold 2⁵⁰ × weight: there
-    it is computed elementwise.
+    (a model loaded in fp16, not fp16 autocast over fp32 weights) cannot hold 2⁵⁰ × weight, and
+    torch.compile fuses the elementwise form better: there it is computed elementwise.
     """
-    if weight.dtype == torch.float16:
+    if weight.dtype == torch.float16 or torch.compiler.is_compiling():
+        # Under torch.compile the elementwise form fuses into one kernel with a single reduction,
+        # cheaper than the LayerNorm kernel's decomposition (which also computes the variance).
         out = centre(x, "layer") * weight
         return out if bias is None else out + bias
     return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
@@ -468,12 +470,12 @@ class NormalisedProjection(nn.Module):
         return v if path == "v" else slice(0, v.start)  # a slice of V columns at the end
 
     def _project(self, h: torch.Tensor, columns) -> torch.Tensor:
-        w = self.matrix()
-        w = w[:, columns]
         flat = h.reshape(-1, h.shape[-1])
-        if self.bias is None:
-            return torch.mm(flat, w)
-        return torch.addmm(self.bias[columns], flat, w)
+        bias = self.bias[columns] if self.bias is not None else None
+        if not self.in_out:  # nn.Linear's layout: F.linear gives the weight's gradient in that layout (no copy)
+            return F.linear(flat, self.weight[columns], bias)
+        w = self.weight[:, columns]
+        return torch.mm(flat, w) if bias is None else torch.addmm(bias, flat, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm
@@ -518,6 +520,10 @@ class NormalisedProjection(nn.Module):
             offset = self.bias[columns] if offset is None else offset + self.bias[columns]
         if paths == ["v"]:  # every column on the V path
             return projected * r if offset is None else torch.lerp(offset.to(projected.dtype), projected, r)
+        if isinstance(columns, slice) and offset is not None:  # GPT-2: rescale the V block in place, one pass
+            v = projected[:, columns]
+            v.lerp_(offset.to(projected.dtype), 1 - r)  # r·v + (1 − r)·offset (matmul outputs are not saved)
+            return projected
         scale = torch.ones(self.out_features, dtype=projected.dtype, device=projected.device)
         scale[columns] = r
         if offset is None:
