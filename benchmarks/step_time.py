@@ -1,7 +1,9 @@
 """Training-step and per-site cost of lnfree's norms relative to the plain model, robust to machine load.
 
 Full step (forward + backward + AdamW, plus the σ update for the removal models) at a GPT-2-small
-shape and a Llama-family shape (SmolLM2-135M's), random weights, `--batch` × `--seq` tokens:
+shape and a Llama-family shape (SmolLM2-135M's), random weights (the Llama rescaled so that its
+all-fixed forward stays finite), `--batch` × `--seq` tokens; every variant's loss is checked to be
+finite before timing:
 - plain: the transformers model with its own LayerNorm / RMSNorm (the baseline of every ratio);
 - lnfree all real / all fixed: the installed model with every slot real (statistics gathered)
   or every slot fixed;
@@ -141,19 +143,46 @@ def shape_config(shape: str, layers: int | None):
                        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def make_step(model: nn.Module, ids: torch.Tensor, removal: bool) -> Callable[[], None]:
-    """One training step of `model`: forward, backward, AdamW, and the σ update if `removal`."""
+def stable_under_fixed_norms(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Rescale a random-init Llama so that its forward stays finite with every norm fixed.
+
+    At random init the residual is tiny at the embedding and grows block by block. With one σ per
+    norm the gated MLPs then amplify the larger tokens until fp32 overflows by block 6, and every
+    later step of the benchmark would time NaN arithmetic (slower on CPU). A 50× embedding and
+    residual writers scaled by 0.1 keep every token near the same scale. The shapes and hence the
+    compute are unchanged.
+    """
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return model
+
+
+def make_step(model: nn.Module, ids: torch.Tensor, removal: bool) -> Callable[[], torch.Tensor]:
+    """One training step of `model` (forward, backward, AdamW, the σ update if `removal`); returns the loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
 
-    def step() -> None:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    def step() -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if removal:
             surgery.update_sigmas(model, 0.9)
+        return loss.detach()
 
     return step
+
+
+def check_finite(variants: dict[str, Callable[[], torch.Tensor]]) -> None:
+    """Run every step variant once; stop if a loss is not finite (its timings would be NaN arithmetic's)."""
+    for name, step in variants.items():
+        loss = step()
+        if not torch.isfinite(loss):
+            raise SystemExit(f"{name}: the training loss is {float(loss)}; timings of non-finite arithmetic are meaningless")
 
 
 def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
@@ -161,7 +190,7 @@ def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     config = shape_config(shape, args.layers)
     cls = GPT2LMHeadModel if shape == "gpt2" else LlamaForCausalLM
-    base = cls(config)
+    base = cls(config) if shape == "gpt2" else stable_under_fixed_norms(cls(config))
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     real = surgery.install(copy.deepcopy(base))
     surgery.initialise_sigmas(real, [ids])
@@ -309,6 +338,7 @@ def main() -> None:
     if not args.sites_only:
         for shape in args.shapes:
             variants = step_variants(shape, args)
+            check_finite(variants)
             results["steps"][shape] = interleaved(variants, args.rounds, args.warmup)
             print_table(f"full step: {shape} shape ({args.rounds} rounds)", results["steps"][shape])
             del variants
