@@ -283,7 +283,7 @@ def _stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Pa
     if all(finite):
         return
     bad = done - len(rows) + finite.index(False) + 1
-    recent = [f"{e.slot} at step {e.step}" for e in timeline.applied if e.step >= bad - 10][-5:]
+    recent = [f"{e.slot} at step {e.step}" for e in timeline.applied if bad - 10 <= e.step < bad][-5:]
     saved, _ = checkpoints(out)
     raise TrainingDiverged(
         f"training diverged: the loss or gradient norm was not finite at step {bad}"
