@@ -21,6 +21,14 @@ import torch
 from lnfree.schedule import SPECIAL_KINDS, Adaptive, Event
 
 
+def blend_length(event: Event, run_blend_steps: int) -> int:
+    """Steps over which `event` takes effect (1: at once): its stage's `blend_steps` if set, else the
+    run's for a norm; a special σ fades only over its own stage's."""
+    if event.blend_steps is not None:
+        return max(1, event.blend_steps)
+    return 1 if event.kind in SPECIAL_KINDS else max(1, run_blend_steps)
+
+
 class Timeline:
     """Per-step removal actions of a run (static or adaptive timing, instant or gradual switches)."""
 
@@ -59,13 +67,8 @@ class Timeline:
         return out
 
     def blend_of(self, event: Event) -> int:
-        """Steps over which `event`'s norm moves to its fixed σ, or its special σ fades out (1: at once).
-
-        The run's `blend_steps` applies to norms only; a special σ fades only over its own stage's.
-        """
-        if event.blend_steps is not None:
-            return max(1, event.blend_steps)
-        return 1 if event.kind in SPECIAL_KINDS else self.blend_steps
+        """Steps over which `event`'s norm moves to its fixed σ, or its special σ fades out (1: at once)."""
+        return blend_length(event, self.blend_steps)
 
     def _due(self, step: int) -> list[Event]:
         if self.next_group == len(self.groups):

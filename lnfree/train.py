@@ -41,7 +41,7 @@ from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.models import load_base
 from lnfree.plan import describe_run
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
-from lnfree.timeline import Timeline
+from lnfree.timeline import Timeline, blend_length
 
 RUN_CONFIG = "run_config.json"
 CHECKPOINTS = "checkpoints"
@@ -87,7 +87,7 @@ def resolve_run(
     schedule = removal.schedule or derive_schedule(n_layer, stages=stages)
     events = schedule.events(n_layer)
     # The step at which the last norm is fixed at the latest (adaptive waits and blends included).
-    blend = Timeline(events, removal.blend_steps).blend_of
+    blend = lambda event: blend_length(event, removal.blend_steps)  # noqa: E731
     if removal.adaptive:
         latest = removal.adaptive.latest_step(events) + max(blend(e) for e in events) - 1
     else:

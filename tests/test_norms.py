@@ -97,7 +97,9 @@ def test_qk_and_v_paths_switch_independently():
     torch.testing.assert_close(qkv(x)[..., : 2 * d], fixed_q[..., : 2 * d], rtol=0, atol=1e-5)
 
 
-def test_position0_sigma_is_applied_per_position_not_per_channel():
+def _fixed_ln_f_with_position0_sigma():
+    """A 1-block GPT-2 whose fixed ln_f divides by σ = 2 and, at position 0, by 50; its inputs and
+    outputs are captured on every forward."""
     model = small_gpt2(n_layer=1)
     surgery.install(model, special_pos0=True)
     ln_f = model.transformer.ln_f
@@ -106,6 +108,11 @@ def test_position0_sigma_is_applied_per_position_not_per_channel():
     ln_f.state.switch_to_fake()
     captured = {}
     ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    return model, ln_f, captured
+
+
+def test_position0_sigma_is_applied_per_position_not_per_channel():
+    model, ln_f, captured = _fixed_ln_f_with_position0_sigma()
     model(input_ids=torch.randint(0, 64, (2, 7)))
     x, y = captured["x"], captured["y"]
     torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, 50.0))
@@ -117,14 +124,7 @@ def test_position0_sigma_is_applied_per_position_not_per_channel():
 
 
 def test_a_faded_position0_sigma_moves_geometrically_to_the_general_sigma_and_survives_a_reload():
-    model = small_gpt2(n_layer=1)
-    surgery.install(model, special_pos0=True)
-    ln_f = model.transformer.ln_f
-    ln_f.state.sigma.fill_(2.0)
-    ln_f.state.sigma_pos0.fill_(50.0)
-    ln_f.state.switch_to_fake()
-    captured = {}
-    ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    model, ln_f, captured = _fixed_ln_f_with_position0_sigma()
     tokens = torch.randint(0, 64, (2, 7))
     for fraction, pos0_sigma in ((0.5, 10.0), (0.25, 50.0 * 0.04**0.25)):  # √(50·2) = 10
         surgery.apply_event(model, Event(0, "pos0_special"), fraction)

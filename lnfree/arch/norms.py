@@ -136,10 +136,9 @@ def rms_times(x: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor) -> tor
     """x / σ · weight, the fixed-scale RMSNorm, in fp32 (as transformers computes RMSNorm) and in one
     pass when σ is one number: x · (weight / σ). The result has transformers' dtype (weight's and
     x's promoted)."""
-    dtype = torch.promote_types(weight.dtype, x.dtype)
     if sigma.dim() == 0:
-        return (x.float() * (weight.float() / sigma)).to(dtype)
-    return (weight * (x.float() / sigma).to(x.dtype)).to(dtype)
+        return (x.float() * (weight.float() / sigma)).to(torch.promote_types(weight.dtype, x.dtype))
+    return weight * (x.float() / sigma).to(x.dtype)
 
 
 def scale_from_rstd(rstd: torch.Tensor) -> torch.Tensor:
@@ -486,7 +485,7 @@ class NormalisedProjection(nn.Module):
         paths = [p for p in ("qk", "v") if not _empty(self._columns(p), self.out_features)]
         states = [norm.path(p) for p in paths]
         if mode == "fixed":  # `x` is the centred input times the weight
-            return self._fixed_columns(x, paths, states).view(shape)
+            return self._fixed_columns(x, paths).view(shape)
         if len(paths) == 1:  # `x` is the raw input: this path's norm, one matmul
             h = states[0].normalise(x, norm.weight, norm.bias)
             return self._project(h, slice(None)).view(shape)
@@ -502,7 +501,7 @@ class NormalisedProjection(nn.Module):
             out = torch.cat([part for _, part in parts], dim=-1)
         return out.view(shape)
 
-    def _fixed_columns(self, h: torch.Tensor, paths: list[str], states: list[ScaleState]) -> torch.Tensor:
+    def _fixed_columns(self, h: torch.Tensor, paths: list[str]) -> torch.Tensor:
         """Every path fixed, `h` = the Q/K path's normalised input: Q/K columns are h @ W + bias, one
         matmul; V columns need the V path's σ instead.
 
