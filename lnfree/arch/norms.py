@@ -483,9 +483,9 @@ class NormalisedProjection(nn.Module):
         if mode == "real":  # `x` is the real norm's output: one matmul
             return self._project(x, slice(None)).view(shape)
         paths = [p for p in ("qk", "v") if not _empty(self._columns(p), self.out_features)]
-        states = [norm.path(p) for p in paths]
-        if mode == "fixed":  # `x` is the centred input times the weight
+        if mode == "fixed":  # `x` is the Q/K path's fixed-scale norm of the input
             return self._fixed_columns(x, paths).view(shape)
+        states = [norm.path(p) for p in paths]
         if len(paths) == 1:  # `x` is the raw input: this path's norm, one matmul
             h = states[0].normalise(x, norm.weight, norm.bias)
             return self._project(h, slice(None)).view(shape)
