@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lnfree.arch.rescaled import RescaledProjection
+
 NormKind = Literal["layer", "rms"]
 
 # Columns of ScaleState.stats: which tokens a statistic is collected over.
@@ -503,33 +505,14 @@ class NormalisedProjection(nn.Module):
 
     def _fixed_columns(self, h: torch.Tensor, paths: list[str]) -> torch.Tensor:
         """Every path fixed, `h` = the Q/K path's normalised input: Q/K columns are h @ W + bias, one
-        matmul; V columns need the V path's σ instead.
-
-        With r = σ_qk/σ_v and the norm's bias b, the V path's input is r·(h − b) + b, so its columns
-        are r·(h @ W + bias) + (1 − r)·(b @ W + bias): one fused multiply-add on the matmul's output,
-        and none for a projection without V columns (Llama's q_proj and k_proj).
-        """
-        projected = self._project(h, slice(None))
+        matmul; V columns need the V path's σ instead, which `RescaledProjection` folds into a copy
+        of the weight (see there). A projection without V columns (Llama's q_proj, k_proj) is a plain matmul."""
         if "v" not in paths:
-            return projected
-        r = (self.norm.qk.sigma / self.norm.v.sigma).to(projected.dtype)
-        columns = self._columns("v")
-        offset = self.norm.bias @ self.matrix()[:, columns] if self.norm.bias is not None else None  # b @ W, V columns
-        if self.bias is not None:
-            offset = self.bias[columns] if offset is None else offset + self.bias[columns]
-        if paths == ["v"]:  # every column on the V path
-            return projected * r if offset is None else torch.lerp(offset.to(projected.dtype), projected, r)
-        if isinstance(columns, slice) and offset is not None:  # GPT-2: rescale the V block in place, one pass
-            v = projected[:, columns]
-            v.lerp_(offset.to(projected.dtype), 1 - r)  # r·v + (1 − r)·offset (matmul outputs are not saved)
-            return projected
-        scale = torch.ones(self.out_features, dtype=projected.dtype, device=projected.device)
-        scale[columns] = r
-        if offset is None:
-            return projected * scale
-        shift = torch.zeros_like(scale)
-        shift[columns] = (1 - r) * offset.to(projected.dtype)
-        return torch.addcmul(shift, projected, scale)
+            return self._project(h, slice(None))
+        r = self.norm.qk.sigma / self.norm.v.sigma
+        columns = slice(None) if paths == ["v"] else self._columns("v")
+        flat = h.reshape(-1, h.shape[-1])
+        return RescaledProjection.apply(flat, self.weight, self.bias, self.norm.bias, r, columns, self.in_out)
 
 
 def _empty(columns, width: int) -> bool:
