@@ -378,8 +378,8 @@ class SplitNorm(nn.Module):
     - "real" (both paths real, not blending): the real norm, computed once for every projection; its reciprocal
       scale feeds both paths' statistics;
     - "fixed" (both fixed, one σ each): the Q/K path's fixed-scale norm (σ folded into the weight
-      vector, one pass); projections reading it need nothing more for Q/K columns and rescale
-      their V columns by σ_qk/σ_v after the matmul;
+      vector, one pass); projections reading it need nothing more for Q/K columns and fold
+      σ_qk/σ_v into their V columns' weights (`RescaledProjection`);
     - "split" (anything else): the raw input; each projection normalises per path.
     """
 
