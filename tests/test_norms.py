@@ -315,16 +315,17 @@ def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4, 1e10])  # input variances up to 1e20 (< 2^76)
-def test_centred_times_is_the_centring_weight_and_bias_with_their_gradients(scale):
+def test_centred_times_is_the_centring_weight_sigma_and_bias_with_their_gradients(scale):
     torch.manual_seed(0)
     x = (torch.randn(6, 48) * scale + 3 * scale).requires_grad_()
     weight = torch.rand(48).add(0.5).requires_grad_()
     bias = torch.randn(48).requires_grad_()
     grad = torch.randn(6, 48)
-    out = centred_times(x, weight, bias)
+    sigma = torch.tensor(1.7)
+    out = centred_times(x, weight, bias, sigma)
     got = torch.autograd.grad(out, (x, weight, bias), grad)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
-    ref = (x64 - x64.mean(-1, keepdim=True)) * w64 + b64
+    ref = (x64 - x64.mean(-1, keepdim=True)) * w64 / 1.7 + b64
     expected = torch.autograd.grad(ref, (x64, w64, b64), grad.double())
     # fp32 results against float64: a few roundings of values of size |x| (and |x|·|grad| summed over 6 rows)
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * scale * 4)

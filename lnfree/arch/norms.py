@@ -117,21 +117,25 @@ CONSTANT_EPS = 2.0**100
 CONSTANT_SCALE = 2.0**50  # √CONSTANT_EPS: scaling by it or its inverse is exact
 
 
-def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(x − mean(x)) · weight + bias in one fused LayerNorm kernel (forward and backward).
+def centred_times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """(x − mean(x)) · weight / σ + bias (σ = 1 if None; σ receives no gradient) in one fused
+    LayerNorm kernel (forward and backward).
 
-    The kernel divides by the constant 2⁵⁰ (see CONSTANT_EPS) and the weight is scaled by 2⁵⁰, so
-    this is exactly the centring, the weight and the bias for any input variance below 2⁷⁶; it
-    costs what a real LayerNorm costs instead of three elementwise passes each way. fp16 weights
-    (a model loaded in fp16, not fp16 autocast over fp32 weights) cannot hold 2⁵⁰ × weight, and
-    torch.compile fuses the elementwise form better: there it is computed elementwise.
+    The kernel divides by the constant 2⁵⁰ (see CONSTANT_EPS) and the weight is scaled by 2⁵⁰/σ
+    (one multiply), so this is exactly the centring, the weight and the bias for any input variance
+    below 2⁷⁶; it costs what a real LayerNorm costs instead of three elementwise passes each way.
+    fp16 weights (a model loaded in fp16, not fp16 autocast over fp32 weights) cannot hold
+    2⁵⁰ × weight, and torch.compile fuses the elementwise form better: there it is computed
+    elementwise.
     """
     if weight.dtype == torch.float16 or torch.compiler.is_compiling():
         # Under torch.compile the elementwise form fuses into one kernel with a single reduction,
         # cheaper than the LayerNorm kernel's decomposition (which also computes the variance).
-        out = centre(x, "layer") * weight
+        out = centre(x, "layer") * (weight if sigma is None else weight / sigma)
         return out if bias is None else out + bias
-    return F.layer_norm(x, (x.shape[-1],), weight * CONSTANT_SCALE, bias, CONSTANT_EPS)
+    factor = CONSTANT_SCALE if sigma is None else CONSTANT_SCALE / sigma  # σ has no gradient: one op on the weight
+    return F.layer_norm(x, (x.shape[-1],), weight * factor, bias, CONSTANT_EPS)
 
 
 def rms_times(x: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -334,7 +338,7 @@ class ScaleState(nn.Module):
         if self.kind == "rms":
             return rms_times(x, weight, sigma)
         if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
-            return centred_times(x, weight / sigma, bias)
+            return centred_times(x, weight, bias, sigma)
         return torch.addcmul(bias, centre(x, "layer") / sigma.to(x.dtype), weight)
 
 
@@ -416,7 +420,7 @@ class SplitNorm(nn.Module):
         if mode == "fixed":
             if self.kind == "rms":
                 return rms_times(x, self.weight, self.qk.sigma)
-            return centred_times(x, self.weight / self.qk.sigma, self.bias)
+            return centred_times(x, self.weight, self.bias, self.qk.sigma)
         for state in (self.qk, self.v):
             if state.gathering:
                 state.observe(x)
