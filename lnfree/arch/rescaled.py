@@ -52,9 +52,8 @@ class RescaledProjection(torch.autograd.Function):
     def forward(ctx, h, weight, bias, norm_bias, r, columns: Columns, in_out: bool):
         dtype = _compute_dtype(h, weight)
         matrix = weight if in_out else weight.t()  # (in, out) view
-        folded = matrix.clone()
+        folded = matrix.to(dtype, copy=True)  # one copy, already in the matmul's dtype
         _scale_columns_(folded, columns, r)
-        folded = folded.to(dtype)
         shift = bias
         if norm_bias is not None:
             offset = (1 - r) * (norm_bias.to(matrix.dtype) @ matrix[:, columns])
