@@ -138,13 +138,14 @@ def published_fake(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
 # ----------------------------------------------------------------------------- full steps
 
 
-def shape_config(shape: str, layers: int | None):
+def shape_config(shape: str, layers: int | None, vocab: int | None = None):
     """Random-init model config of GPT-2 small or SmolLM2-135M (Llama family)."""
     if shape == "gpt2":
-        return GPT2Config(n_layer=layers or 12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
+        return GPT2Config(n_layer=layers or 12, n_embd=768, n_head=12, n_positions=1024, vocab_size=vocab or 50257,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return LlamaConfig(num_hidden_layers=layers or 30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                       num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+                       num_key_value_heads=3, vocab_size=vocab or 49152, max_position_embeddings=2048,
+                       tie_word_embeddings=True)
 
 
 def stable_under_fixed_norms(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -192,7 +193,7 @@ def check_finite(variants: dict[str, Callable[[], torch.Tensor]]) -> None:
 def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
     """Every full-step variant of one model shape (plain first)."""
     torch.manual_seed(0)
-    config = shape_config(shape, args.layers)
+    config = shape_config(shape, args.layers, args.vocab)
     cls = GPT2LMHeadModel if shape == "gpt2" else LlamaForCausalLM
     base = cls(config) if shape == "gpt2" else stable_under_fixed_norms(cls(config))
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
@@ -201,7 +202,9 @@ def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
     fixed = copy.deepcopy(real)
     for state in surgery.scale_states(fixed).values():
         state.switch_to_fake()
-    variants = {PLAIN: make_step(base, ids, False), "lnfree all real": make_step(real, ids, True),
+    # Every variant times a deep copy (the plain one too), so that no model keeps the scattered
+    # memory of its random initialisation.
+    variants = {PLAIN: make_step(copy.deepcopy(base), ids, False), "lnfree all real": make_step(real, ids, True),
                 "lnfree all fixed": make_step(fixed, ids, True)}
     if shape == "gpt2":
         variants["published FakeLayerNorm, all fake"] = make_step(published_fake(copy.deepcopy(base)), ids, False)
@@ -322,6 +325,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, help="override the depth of both shapes (quick runs)")
+    parser.add_argument("--vocab", type=int,
+                        help="override the vocabulary of both shapes (a small one leaves the blocks to dominate the step)")
     parser.add_argument("--shapes", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the full steps")
     parser.add_argument("--site-rounds", type=int, default=30)
