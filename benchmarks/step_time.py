@@ -20,7 +20,8 @@ Every round runs each variant once, in an order rotated from round to round, so 
 load hits all variants alike. Each round yields a ratio to the plain variant of that same round,
 for wall time and for process CPU time; the script prints the minimum and the median of the
 per-round ratios, and the ratio of each variant's fastest round to its baseline's fastest round
-(CPU time; other load only adds time, so the fastest rounds are the least disturbed). Use `--threads 1` on a shared machine.
+(CPU time; other load only adds time, so the fastest rounds are the least disturbed). Use
+`--threads 1` on a shared machine.
 
     python benchmarks/step_time.py [--threads 1] [--rounds 10] [--batch 2] [--seq 256] [--compile]
                                    [--shapes gpt2 llama] [--sites-only | --steps-only] [--out FILE]
