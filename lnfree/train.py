@@ -87,11 +87,11 @@ def resolve_run(
     schedule = removal.schedule or derive_schedule(n_layer, stages=stages)
     events = schedule.events(n_layer)
     # The step at which the last norm is fixed at the latest (adaptive waits and blends included).
-    blend = lambda event: blend_length(event, removal.blend_steps)  # noqa: E731
+    blends = [blend_length(e, removal.blend_steps) for e in events]
     if removal.adaptive:
-        latest = removal.adaptive.latest_step(events) + max(blend(e) for e in events) - 1
+        latest = removal.adaptive.latest_step(events) + max(blends) - 1
     else:
-        latest = max(e.step + blend(e) - 1 for e in events)
+        latest = max(e.step + b - 1 for e, b in zip(events, blends))
     max_steps = train.max_steps or max(3 * events[-1].step, latest + 1)
     config = config.model_copy(
         update={
