@@ -5,6 +5,8 @@ shape and a Llama-family shape (SmolLM2-135M's), random weights (the Llama resca
 all-fixed forward stays finite), `--batch` × `--seq` tokens; every variant's loss is checked to be
 finite before timing:
 - plain: the transformers model with its own LayerNorm / RMSNorm (the baseline of every ratio);
+- plain, second copy: the same model again, a control: its ratio shows how far two identical
+  models drift apart in this run (memory placement, load), the benchmark's resolution;
 - lnfree all real / all fixed: the installed model with every slot real (statistics gathered)
   or every slot fixed;
 - published FakeLayerNorm (GPT-2 only): a re-implementation of the research code's approach, a
@@ -21,16 +23,19 @@ load hits all variants alike. Each round yields a ratio to the plain variant of 
 for wall time and for process CPU time; the script prints the minimum and the median of the
 per-round ratios, and the ratio of each variant's fastest round to its baseline's fastest round
 (CPU time; other load only adds time, so the fastest rounds are the least disturbed). Use
-`--threads 1` on a shared machine.
+`--threads 1` on a shared machine. Unless `--default-malloc`, glibc is told to keep freed memory
+(see `steady_allocator`), so large tensors are not page-faulted in again every step.
 
     python benchmarks/step_time.py [--threads 1] [--rounds 10] [--batch 2] [--seq 256] [--compile]
-                                   [--shapes gpt2 llama] [--sites-only | --steps-only] [--out FILE]
+                                   [--shapes gpt2 llama] [--sites-only | --steps-only] [--default-malloc]
+                                   [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import json
 import statistics
 import time
@@ -49,9 +54,27 @@ from lnfree.train import compile_blocks
 
 PLAIN = "plain"
 COMPILED_PLAIN = "compiled plain"
+SECOND_COPY = ", second copy"  # a control: the baseline again, as a separate deep copy
 
 
 # ----------------------------------------------------------------------------- timing
+
+
+def steady_allocator() -> bool:
+    """Make glibc's malloc keep freed memory in the heap instead of returning it to the kernel.
+
+    By default glibc maps every allocation above 32 MB (logits, vocabulary-sized gradients) fresh
+    from the kernel and unmaps it on free, so each step page-faults those tensors in again: on this
+    machine that is 10–20 % kernel time, and it adds a few per cent of noise between two identical
+    copies of one model. Returns False where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    return all(libc.mallopt(option, value) == 1 for option, value in (
+        (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1), (m_top_pad, 2**30)))
 
 
 def baseline(name: str) -> str:
@@ -205,13 +228,14 @@ def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
         state.switch_to_fake()
     # Every variant times a deep copy (the plain one too), so that no model keeps the scattered
     # memory of its random initialisation.
-    variants = {PLAIN: make_step(copy.deepcopy(base), ids, False), "lnfree all real": make_step(real, ids, True),
-                "lnfree all fixed": make_step(fixed, ids, True)}
+    variants = {PLAIN: make_step(copy.deepcopy(base), ids, False),
+                PLAIN + SECOND_COPY: make_step(copy.deepcopy(base), ids, False),
+                "lnfree all real": make_step(real, ids, True), "lnfree all fixed": make_step(fixed, ids, True)}
     if shape == "gpt2":
         variants["published FakeLayerNorm, all fake"] = make_step(published_fake(copy.deepcopy(base)), ids, False)
     if args.compile:  # as `train.compile` does it: every block compiled, on copies
-        for label, model, removal in ((PLAIN, base, False), ("lnfree all real", real, True),
-                                      ("lnfree all fixed", fixed, True)):
+        for label, model, removal in ((PLAIN, base, False), (PLAIN + SECOND_COPY, base, False),
+                                      ("lnfree all real", real, True), ("lnfree all fixed", fixed, True)):
             twin = copy.deepcopy(model)
             compile_blocks(twin)
             variants[f"compiled {label}"] = make_step(twin, ids, removal)
@@ -335,11 +359,15 @@ def main() -> None:
                         help="forward+backward passes per measurement of a norm with its projections (×10 for a norm alone)")
     parser.add_argument("--sites-only", action="store_true")
     parser.add_argument("--steps-only", action="store_true")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's default allocator settings (large tensors page-faulted in every step)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results: dict = {"args": vars(args), "torch": torch.__version__, "sites": {}, "steps": {}}
-    print(f"{args.batch} × {args.seq} tokens, {args.threads} thread(s); ratios are per round, to plain in the same round")
+    steady = not args.default_malloc and steady_allocator()
+    results: dict = {"args": vars(args), "torch": torch.__version__, "steady_allocator": steady, "sites": {}, "steps": {}}
+    print(f"{args.batch} × {args.seq} tokens, {args.threads} thread(s), "
+          f"{'steady' if steady else 'default'} allocator; ratios are per round, to plain in the same round")
     if not args.steps_only:
         for site, variants in site_variants(args).items():
             results["sites"][site] = interleaved(variants, args.site_rounds, args.warmup)

@@ -55,10 +55,12 @@ def test_compiled_blocks_follow_every_switch_like_eager(family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox-parallel"])
-@pytest.mark.parametrize("fixed", [False, True])
-def test_no_graph_breaks_in_a_block_with_installed_norms(family, fixed):
-    model = surgery.install(tiny_family(family), special_pos0=True).train()
-    if fixed:
+@pytest.mark.parametrize("state", ["real", "fixed", "fixed, special σ"])
+def test_no_graph_breaks_in_a_block_with_installed_norms(family, state):
+    # Fixed without special σ is the split norm's shared "fixed" mode (RescaledProjection); with a
+    # special σ at position 0 each projection normalises per path.
+    model = surgery.install(tiny_family(family), special_pos0=state != "fixed").train()
+    if state != "real":
         for state in surgery.scale_states(model).values():
             state.switch_to_fake()
     block = model.get_submodule(architecture(model).layers)[0]

@@ -359,7 +359,7 @@ def test_centred_times_keeps_fp16_weights_finite():
     torch.testing.assert_close(half.float(), expected, rtol=1e-2, atol=1e-2)  # fp16: 3 decimal digits
 
 
-@pytest.mark.parametrize("columns", [slice(8, 16), slice(None), torch.tensor([1, 5, 9, 20])])
+@pytest.mark.parametrize("columns", [slice(8, 16), slice(16, None), slice(None), torch.tensor([1, 5, 9, 20])])
 @pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_rescaled_projection_matches_autograd_through_the_formula(columns, in_out, autocast):
