@@ -6,7 +6,8 @@ all-fixed forward stays finite), `--batch` × `--seq` tokens; every variant's lo
 finite before timing:
 - plain: the transformers model with its own LayerNorm / RMSNorm (the baseline of every ratio);
 - plain, second copy: the same model again, a control: its ratio shows how far two identical
-  models drift apart in this run (memory placement, load), the benchmark's resolution;
+  models drift apart in this run (memory placement, load), the benchmark's resolution (the
+  sites have one too);
 - lnfree all real / all fixed: the installed model with every slot real (statistics gathered)
   or every slot fixed;
 - published FakeLayerNorm (GPT-2 only): a re-implementation of the research code's approach, a
@@ -273,7 +274,9 @@ def layer_norm_site(d: int) -> Site:
     _fixed([fixed.state], [2.0])
     published = PublishedFakeLayerNorm(ln).train()
     published.fake = True
-    return {PLAIN: (ln, list(ln.parameters())), "lnfree real (gathering)": (real, list(real.parameters())),
+    twin = copy.deepcopy(ln)
+    return {PLAIN: (ln, list(ln.parameters())), PLAIN + SECOND_COPY: (twin, list(twin.parameters())),
+            "lnfree real (gathering)": (real, list(real.parameters())),
             "lnfree fixed": (fixed, list(fixed.parameters())),
             "published FakeLayerNorm, fake": (published, list(published.parameters()))}
 
@@ -284,7 +287,8 @@ def rms_norm_site(d: int) -> Site:
     real = FixedScaleNorm(rms.weight, None, ScaleState(1e-5, "rms")).train()
     fixed = FixedScaleNorm(rms.weight, None, ScaleState(1e-5, "rms"))
     _fixed([fixed.state], [2.0])
-    return {PLAIN: (rms, [rms.weight]), "lnfree real (gathering)": (real, [real.weight]),
+    twin = copy.deepcopy(rms)
+    return {PLAIN: (rms, [rms.weight]), PLAIN + SECOND_COPY: (twin, [twin.weight]), "lnfree real (gathering)": (real, [real.weight]),
             "lnfree fixed": (fixed, [fixed.weight])}
 
 
@@ -305,12 +309,15 @@ def split_site(norm: nn.Module, projections: list[nn.Module], kind: str, v_colum
 
         return forward, list(split.parameters()) + [p for proj in projs for p in proj.parameters()]
 
-    def plain(h: torch.Tensor) -> torch.Tensor:
-        n = norm(h)
-        return torch.cat([p(n) for p in projections], -1)
+    def plain(norm: nn.Module, projections: list[nn.Module]) -> tuple[Callable, list[nn.Parameter]]:
+        def forward(h: torch.Tensor) -> torch.Tensor:
+            n = norm(h)
+            return torch.cat([p(n) for p in projections], -1)
 
-    params = list(norm.parameters()) + [p for proj in projections for p in proj.parameters()]
-    return {PLAIN: (plain, params), "lnfree real (gathering)": installed(False), "lnfree fixed": installed(True)}
+        return forward, list(norm.parameters()) + [p for proj in projections for p in proj.parameters()]
+
+    return {PLAIN: plain(norm, projections), PLAIN + SECOND_COPY: plain(*copy.deepcopy((norm, projections))),
+            "lnfree real (gathering)": installed(False), "lnfree fixed": installed(True)}
 
 
 def site_variants(args) -> dict[str, dict[str, Callable[[], None]]]:

@@ -1,0 +1,35 @@
+"""Smoke test of the step-time benchmark at a toy size: every variant runs, and every ratio is finite."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_time_runs_every_variant(tmp_path):
+    out = tmp_path / "step_time.json"
+    # A subprocess: the benchmark changes the C allocator's settings for its whole process.
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--layers", "1", "--vocab", "256", "--batch", "1",
+         "--seq", "16", "--rounds", "2", "--warmup", "0", "--site-rounds", "2", "--site-reps", "1", "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, text=True,
+    )
+    results = json.loads(out.read_text())
+    assert results["steady_allocator"] is (platform.libc_ver()[0] == "glibc")
+    assert set(results["steps"]) == {"gpt2", "llama"}
+    for shape, variants in results["steps"].items():
+        assert {"plain", "plain, second copy", "lnfree all real", "lnfree all fixed"} <= set(variants), shape
+    assert len(results["sites"]) == 4
+    for site, variants in results["sites"].items():
+        assert {"plain", "plain, second copy", "lnfree real (gathering)", "lnfree fixed"} <= set(variants), site
+    for table in [*results["steps"].values(), *results["sites"].values()]:
+        assert table["plain"]["cpu_ratio_median"] == 1.0
+        for name, row in table.items():
+            assert all(math.isfinite(row[key]) and row[key] > 0 for key in (
+                "median_ms", "wall_ratio_min", "wall_ratio_median", "cpu_ratio_median", "cpu_best_ratio")), name
