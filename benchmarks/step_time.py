@@ -65,9 +65,9 @@ def steady_allocator() -> bool:
     """Make glibc's malloc keep freed memory in the heap instead of returning it to the kernel.
 
     By default glibc maps every allocation above 32 MB (logits, vocabulary-sized gradients) fresh
-    from the kernel and unmaps it on free, so each step page-faults those tensors in again: on this
-    machine that is 10–20 % kernel time, and it adds a few per cent of noise between two identical
-    copies of one model. Returns False where the C library is not glibc.
+    from the kernel and unmaps it on free, so each step page-faults those tensors in again: slower,
+    and noisy enough that two identical copies of one model differed by up to 12 % in a run here
+    (benchmarks/results/README.md). Returns False where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -288,8 +288,8 @@ def rms_norm_site(d: int) -> Site:
     fixed = FixedScaleNorm(rms.weight, None, ScaleState(1e-5, "rms"))
     _fixed([fixed.state], [2.0])
     twin = copy.deepcopy(rms)
-    return {PLAIN: (rms, [rms.weight]), PLAIN + SECOND_COPY: (twin, [twin.weight]), "lnfree real (gathering)": (real, [real.weight]),
-            "lnfree fixed": (fixed, [fixed.weight])}
+    return {PLAIN: (rms, [rms.weight]), PLAIN + SECOND_COPY: (twin, [twin.weight]),
+            "lnfree real (gathering)": (real, [real.weight]), "lnfree fixed": (fixed, [fixed.weight])}
 
 
 def split_site(norm: nn.Module, projections: list[nn.Module], kind: str, v_columns: list, in_out: bool) -> Site:

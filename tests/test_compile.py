@@ -61,8 +61,8 @@ def test_no_graph_breaks_in_a_block_with_installed_norms(family, state):
     # special σ at position 0 each projection normalises per path.
     model = surgery.install(tiny_family(family), special_pos0=state != "fixed").train()
     if state != "real":
-        for state in surgery.scale_states(model).values():
-            state.switch_to_fake()
+        for slot_state in surgery.scale_states(model).values():
+            slot_state.switch_to_fake()
     block = model.get_submodule(architecture(model).layers)[0]
     captured = {}
 
