@@ -143,7 +143,7 @@ def initialise_sigmas(model: nn.Module, batches: Iterable[torch.Tensor]) -> None
     was_training = model.training
     model.eval()
     for state in states:
-        state.stats.zero_()  # statistics gathered before this call must not leak into σ
+        state.clear_stats()  # statistics gathered before this call must not leak into σ
         state.collecting = True
     try:
         for input_ids in batches:

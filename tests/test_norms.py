@@ -11,7 +11,9 @@ from families import FAMILIES, tiny_family
 
 from lnfree import surgery
 from lnfree.arch import architecture
-from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment
+from lnfree.arch.norms import (
+    FOLD_EVERY, FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment,
+)
 from lnfree.arch.rescaled import RescaledProjection
 from lnfree.schedule import Event
 
@@ -67,6 +69,30 @@ def test_ema_matches_hand_computation_and_ignores_eval_passes():
     fake(b * 10)
     state.commit_ema(state.stats.clone(), momentum=0.9)
     assert torch.equal(state.sigma, frozen)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_statistics_pending_over_many_calls_sum_exactly(kind):
+    """Gathered reciprocal scales wait in a short list and are reduced in batches: after any number of
+    calls, of any token counts, `stats` holds the sum and count of every per-token scale seen, the
+    list never grows past FOLD_EVERY, and clearing drops pending ones too."""
+    torch.manual_seed(0)
+    d = 16
+    norm = FixedScaleNorm(torch.rand(d) + 0.5, torch.randn(d) if kind == "layer" else None, ScaleState(1e-5, kind)).train()
+    inputs = [torch.randn(2, n, d, requires_grad=True) * (1 + n) for n in range(1, 2 * FOLD_EVERY + 4)]
+    total = torch.zeros((), dtype=torch.float64)
+    for x in inputs:
+        norm(x).sum().backward()
+        total += torch.sqrt(second_moment(x.detach().double(), kind) + 1e-5).sum()
+        assert len(norm.state._pending) < FOLD_EVERY
+    assert norm.state._pending  # some are pending: reading `stats` must include them
+    stats = norm.state.stats
+    torch.testing.assert_close(stats[0, 0].double(), total, rtol=1e-5, atol=0)
+    assert stats[1, 0] == sum(x.shape[0] * x.shape[1] for x in inputs)
+    assert stats[:, 1:].abs().sum() == 0
+    norm(inputs[0])
+    norm.state.clear_stats()
+    assert norm.state.stats.abs().sum() == 0
 
 
 def test_qk_and_v_paths_switch_independently():
@@ -235,7 +261,7 @@ def test_state_dict_carries_removal_state():
     keys = fresh.state_dict().keys()
     assert "transformer.h.0.ln_1.qk.fake" in keys and "transformer.ln_f.state.sigma" in keys
     assert "transformer.h.0.attn.c_attn.weight" in keys  # the projection keeps its key
-    assert not any(k.endswith(".stats") for k in keys)
+    assert not any(k.endswith((".stats", ".totals")) for k in keys)
 
 
 def test_install_refuses_other_models_and_double_installs():

@@ -34,6 +34,8 @@ NormKind = Literal["layer", "rms"]
 
 # Columns of ScaleState.stats: which tokens a statistic is collected over.
 GENERAL, POS0, EOT = 0, 1, 2
+#: A real norm's reciprocal scales are reduced this many calls at a time (`ScaleState.gather`).
+FOLD_EVERY = 32
 
 
 class TokenContext:
@@ -161,8 +163,9 @@ class ScaleState(nn.Module):
     """The per-token scale of one normalisation: the real one, or a frozen σ.
 
     Buffers: `sigma` (EMA, frozen when fixed), `fake`, optional `sigma_pos0`/`pos0_active` and
-    `sigma_eot`/`eot_active`, and a non-persistent `stats` accumulator (row 0 sums, row 1
-    counts; columns general / position 0 / EOT) that `commit_ema` folds into σ.
+    `sigma_eot`/`eot_active`, and a non-persistent `totals` accumulator (row 0 sums, row 1
+    counts; columns general / position 0 / EOT) that `commit_ema` folds into σ. Read it as
+    `stats`, which first adds the reciprocal scales still pending (see `gather`).
     """
 
     def __init__(self, eps: float, kind: NormKind = "layer", special_pos0: bool = False, special_eot: bool = False):
@@ -184,7 +187,8 @@ class ScaleState(nn.Module):
             self.register_buffer("sigma_eot", torch.ones(()))
             self.register_buffer("eot_active", torch.ones((), dtype=torch.bool))
             self.register_buffer("eot_fade", torch.zeros(()))
-        self.register_buffer("stats", torch.zeros(2, 3), persistent=False)
+        self.register_buffer("totals", torch.zeros(2, 3), persistent=False)
+        self._pending: list[torch.Tensor] = []  # reciprocal scales not yet in `totals`
         self.context: TokenContext | None = None
         self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
         self._refresh_mirrors()
@@ -258,24 +262,60 @@ class ScaleState(nn.Module):
         return not (self.is_fake or self.is_blending) and ((self.training and torch.is_grad_enabled()) or self.collecting)
 
     # ----- statistics -----
+    @property
+    def stats(self) -> torch.Tensor:
+        """The accumulator (row 0 sums, row 1 counts; columns general / position 0 / EOT), pending
+        reciprocal scales included."""
+        self._fold_pending()
+        return self.totals
+
+    def clear_stats(self) -> None:
+        """Empty the accumulator."""
+        self._pending.clear()
+        self.totals.zero_()
+
     def observe(self, x: torch.Tensor) -> None:
         """Accumulate the per-token scales of the norm input `x` (no host sync)."""
         self.accumulate(token_scale(x, self.kind, self.eps))
+
+    def gather(self, rstd: torch.Tensor) -> None:
+        """Accumulate the per-token reciprocal scales `rstd` (..., 1) a real norm multiplied by (no host sync).
+
+        Eagerly, every op costs a fixed dispatch time that adds up to a fifth of a LayerNorm's
+        forward and backward at a few hundred tokens. So the tensors are kept (the norm's backward
+        keeps them alive anyway) and reduced `FOLD_EVERY` calls at a time: one concatenation,
+        reciprocal and sum instead of several ops per call. Under torch.compile, or when token
+        groups need their own σ, they are reduced at once.
+        """
+        if self.wants_context or torch.compiler.is_compiling():
+            self.accumulate(scale_from_rstd(rstd))
+            return
+        self._pending.append(rstd.detach() if rstd.requires_grad else rstd)
+        if len(self._pending) >= FOLD_EVERY:
+            self._fold_pending()
+
+    def _fold_pending(self) -> None:
+        if not self._pending:
+            return
+        flat = torch.cat([r.reshape(-1) for r in self._pending]).float()  # detached: no graph is recorded
+        self.totals[0, GENERAL].add_(flat.reciprocal().sum())
+        self.totals[1, GENERAL].add_(flat.numel())
+        self._pending.clear()
 
     def accumulate(self, flat: torch.Tensor) -> None:
         """Add per-token scales `flat` (shape of the tokens) to the accumulator, per token group (no host sync)."""
         with torch.no_grad():
             if not self.wants_context:  # in-place on views: no read-modify-write through indexing
-                self.stats[0, GENERAL].add_(flat.sum())
-                self.stats[1, GENERAL].add_(flat.numel())
+                self.totals[0, GENERAL].add_(flat.sum())
+                self.totals[1, GENERAL].add_(flat.numel())
                 return
             pos0, eot = self.context.masks(flat.shape)
             pos0 = pos0 & self.pos0_on
             eot = eot & self.eot_on & ~pos0
             general = ~(pos0 | eot)
             for column, mask in ((GENERAL, general), (POS0, pos0), (EOT, eot)):
-                self.stats[0, column] += (flat * mask).sum()
-                self.stats[1, column] += mask.sum()
+                self.totals[0, column] += (flat * mask).sum()
+                self.totals[1, column] += mask.sum()
 
     def sigmas(self) -> torch.Tensor:
         """σ for the three token groups (general, position 0, EOT) as one tensor."""
@@ -302,7 +342,7 @@ class ScaleState(nn.Module):
             mean = stats[0] / stats[1].clamp_min(1)
             new = momentum * old + (1 - momentum) * mean
             self._write_sigmas(torch.where(stats[1] > 0, new, old))
-        self.stats.zero_()
+        self.clear_stats()
 
     @torch.no_grad()
     def set_from_stats(self, stats: torch.Tensor) -> None:
@@ -310,7 +350,7 @@ class ScaleState(nn.Module):
         mean = stats[0] / stats[1].clamp_min(1)
         # A group never observed (e.g. no EOT in the data) falls back to the general σ.
         self._write_sigmas(torch.where(stats[1] > 0, mean, mean[GENERAL]))
-        self.stats.zero_()
+        self.clear_stats()
 
     # ----- the normalisation -----
     def token_sigma(self, shape: torch.Size) -> torch.Tensor:
@@ -367,7 +407,7 @@ class FixedScaleNorm(nn.Module):
         state = self.state
         if state.gathering:  # the statistics come from the norm's own reciprocal scale
             out, rstd = real_norm_and_rstd(x, state.kind, self.weight, self.bias, state.eps)
-            state.accumulate(scale_from_rstd(rstd))
+            state.gather(rstd)
             return out
         return state.normalise(x, self.weight, self.bias)
 
@@ -413,9 +453,8 @@ class SplitNorm(nn.Module):
             if not self.qk.gathering:
                 return real_norm(x, self.kind, self.weight, self.bias, self.qk.eps)
             out, rstd = real_norm_and_rstd(x, self.kind, self.weight, self.bias, self.qk.eps)
-            scale = scale_from_rstd(rstd)
-            self.qk.accumulate(scale)
-            self.v.accumulate(scale)
+            self.qk.gather(rstd)
+            self.v.gather(rstd)
             return out
         if mode == "fixed":
             if self.kind == "rms":
