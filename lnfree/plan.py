@@ -16,6 +16,8 @@ The prediction adds, per GPU:
 - the distillation teacher, if any (`lnfree.distill`): its parameters (frozen, bf16 on a GPU by
   default), its logits and the student's (kept for the KL), and the KL's fp32 log-probabilities
   of both, which its backward keeps (8 B + 2 logits per token and vocabulary entry);
+- the per-token scales real norms gathered for σ, waiting to be summed (`ScaleState.gather`): at
+  fewer than `FOLD_ELEMENTS` per norm (4 B each), with at most four norms per layer (Qwen3's);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
 `benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
 """
@@ -27,6 +29,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+
+from lnfree.arch.norms import FOLD_ELEMENTS
 
 GB = 1e9
 #: Share of a GPU's memory a plan may fill: the rest absorbs allocator fragmentation.
@@ -84,6 +88,7 @@ class Prediction(BaseModel):
     activations: float
     backward_peak: float
     teacher: float
+    statistics: float
     reserve: float
 
     @property
@@ -169,7 +174,7 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
         buckets=4 * p / shard if setup.gpus > 1 and not setup.sharded else 0.0,
         autocast_copies=2 * shape.matrix_parameters / shard if setup.autocast else 0.0,
         activations=activations, backward_peak=backward_peak, teacher=teacher_bytes,
-        reserve=setup.reserve_gb * GB,
+        statistics=4 * FOLD_ELEMENTS * (4 * shape.layers + 1), reserve=setup.reserve_gb * GB,
     )
 
 

@@ -12,7 +12,7 @@ from families import FAMILIES, tiny_family
 from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.arch.norms import (
-    FOLD_EVERY, FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment,
+    FOLD_ELEMENTS, FOLD_EVERY, FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment,
 )
 from lnfree.arch.rescaled import RescaledProjection
 from lnfree.schedule import Event
@@ -75,7 +75,7 @@ def test_ema_matches_hand_computation_and_ignores_eval_passes():
 def test_statistics_pending_over_many_calls_sum_exactly(kind):
     """Gathered reciprocal scales wait in a short list and are reduced in batches: after any number of
     calls, of any token counts, `stats` holds the sum and count of every per-token scale seen, the
-    list never grows past FOLD_EVERY, and clearing drops pending ones too."""
+    list stays shorter than FOLD_EVERY calls and FOLD_ELEMENTS scales, and clearing drops pending ones too."""
     torch.manual_seed(0)
     d = 16
     norm = FixedScaleNorm(torch.rand(d) + 0.5, torch.randn(d) if kind == "layer" else None, ScaleState(1e-5, kind)).train()
@@ -93,6 +93,10 @@ def test_statistics_pending_over_many_calls_sum_exactly(kind):
     norm(inputs[0])
     norm.state.clear_stats()
     assert norm.state.stats.abs().sum() == 0
+    for _ in range(2):  # a batch of FOLD_ELEMENTS tokens or more is summed at once
+        norm(torch.randn(FOLD_ELEMENTS, 2, d))
+        assert not norm.state._pending
+    assert norm.state.totals[1, 0] == 4 * FOLD_ELEMENTS
 
 
 def test_qk_and_v_paths_switch_independently():

@@ -34,8 +34,9 @@ NormKind = Literal["layer", "rms"]
 
 # Columns of ScaleState.stats: which tokens a statistic is collected over.
 GENERAL, POS0, EOT = 0, 1, 2
-#: A real norm's reciprocal scales are reduced this many calls at a time (`ScaleState.gather`).
-FOLD_EVERY = 32
+#: A real norm's reciprocal scales are reduced this many calls at a time, or as soon as this many
+#: are pending, whichever comes first (`ScaleState.gather`).
+FOLD_EVERY, FOLD_ELEMENTS = 32, 2**16
 
 
 class TokenContext:
@@ -189,6 +190,7 @@ class ScaleState(nn.Module):
             self.register_buffer("eot_fade", torch.zeros(()))
         self.register_buffer("totals", torch.zeros(2, 3), persistent=False)
         self._pending: list[torch.Tensor] = []  # reciprocal scales not yet in `totals`
+        self._pending_numel = 0
         self.context: TokenContext | None = None
         self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
         self._refresh_mirrors()
@@ -272,6 +274,7 @@ class ScaleState(nn.Module):
     def clear_stats(self) -> None:
         """Empty the accumulator."""
         self._pending.clear()
+        self._pending_numel = 0
         self.totals.zero_()
 
     def observe(self, x: torch.Tensor) -> None:
@@ -283,15 +286,16 @@ class ScaleState(nn.Module):
 
         Eagerly, every op costs a fixed dispatch time that adds up to a fifth of a LayerNorm's
         forward and backward at a few hundred tokens. So the tensors are kept (the norm's backward
-        keeps them alive anyway) and reduced `FOLD_EVERY` calls at a time: one concatenation,
-        reciprocal and sum instead of several ops per call. Under torch.compile, or when token
-        groups need their own σ, they are reduced at once.
+        keeps them alive anyway) and reduced `FOLD_EVERY` calls (at most `FOLD_ELEMENTS` tokens
+        after the first) at a time: one concatenation, reciprocal and sum instead of several ops
+        per call. Under torch.compile, or when token groups need their own σ, they are reduced at once.
         """
         if self.wants_context or torch.compiler.is_compiling():
             self.accumulate(scale_from_rstd(rstd))
             return
         self._pending.append(rstd.detach() if rstd.requires_grad else rstd)
-        if len(self._pending) >= FOLD_EVERY:
+        self._pending_numel += rstd.numel()
+        if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_ELEMENTS:
             self._fold_pending()
 
     def _fold_pending(self) -> None:
@@ -301,6 +305,7 @@ class ScaleState(nn.Module):
         self.totals[0, GENERAL].add_(flat.reciprocal().sum())
         self.totals[1, GENERAL].add_(flat.numel())
         self._pending.clear()
+        self._pending_numel = 0
 
     def accumulate(self, flat: torch.Tensor) -> None:
         """Add per-token scales `flat` (shape of the tokens) to the accumulator, per token group (no host sync)."""
