@@ -76,6 +76,9 @@ def test_low_precision_loads_never_overflow(tokenizer, tmp_path, dtype, toleranc
     write_export(model, tokenizer, tmp_path / "export", {})
     loaded = load(tmp_path / "export", dtype=dtype)
     assert all(p.dtype == dtype and torch.isfinite(p).all() for p in loaded.model.parameters())
+    exact = load(tmp_path / "export").norms
+    for name, state in surgery.scale_states(loaded.model).items():  # σ is not rounded to `dtype`
+        assert state.sigma.dtype == torch.float32 and float(state.sigma) == exact[name]["sigma"]
     out = logits(loaded.hf(), IDS).float()
     assert torch.isfinite(out).all()
     assert (out - logits(model, IDS)).abs().max() <= tolerance
