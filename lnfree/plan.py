@@ -17,7 +17,8 @@ The prediction adds, per GPU:
   default), its logits and the student's (kept for the KL), and the KL's fp32 log-probabilities
   of both, which its backward keeps (8 B + 2 logits per token and vocabulary entry);
 - the per-token scales real norms gathered for σ and not yet summed (`ScaleState.gather`): fewer
-  than `FOLD_ELEMENTS` per norm (4 B each), with at most four norms per layer (Qwen3's);
+  than `FOLD_ELEMENTS` per norm (4 B each), counted for four norms per layer (Qwen3's; an upper
+  bound for the other families);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
 `benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
 """

@@ -84,7 +84,7 @@ def test_statistics_pending_over_many_calls_sum_exactly(kind):
     for x in inputs:
         norm(x).sum().backward()
         total += torch.sqrt(second_moment(x.detach().double(), kind) + 1e-5).sum()
-        assert len(norm.state._pending) < FOLD_EVERY
+        assert len(norm.state._pending) < FOLD_EVERY and norm.state._pending_numel < FOLD_ELEMENTS
     assert norm.state._pending  # some are pending: reading `stats` must include them
     stats = norm.state.stats
     torch.testing.assert_close(stats[0, 0].double(), total, rtol=1e-5, atol=0)
@@ -97,6 +97,29 @@ def test_statistics_pending_over_many_calls_sum_exactly(kind):
         norm(torch.randn(FOLD_ELEMENTS, 2, d))
         assert not norm.state._pending
     assert norm.state.totals[1, 0] == 4 * FOLD_ELEMENTS
+
+
+def test_casts_keep_statistics_and_sigma_fp32_and_moves_take_pending_scales():
+    """A model cast to bf16 / fp16 keeps σ, the blend and the statistics in fp32 (pending scales
+    included); a move sums pending scales first, so nothing is left behind on the old device."""
+    torch.manual_seed(0)
+    norm = FixedScaleNorm(torch.rand(16) + 0.5, torch.randn(16), ScaleState(1e-5)).train()
+    norm.state.sigma.fill_(0.1234567)
+    x = torch.randn(3, 5, 16) * 2
+    norm(x)
+    assert norm.state._pending
+    expected = torch.zeros(2, 3)
+    expected[:, 0] = torch.stack([torch.sqrt(second_moment(x, "layer") + 1e-5).sum(), torch.tensor(15.0)])
+    norm.to(torch.bfloat16)
+    assert not norm.state._pending and norm.weight.dtype == torch.bfloat16
+    for buffer in (norm.state.sigma, norm.state.mix, norm.state.totals):
+        assert buffer.dtype == torch.float32
+    assert float(norm.state.sigma) == torch.tensor(0.1234567).item()
+    torch.testing.assert_close(norm.state.totals, expected)
+    norm(x.bfloat16())  # gathering in a bf16 model sums into the fp32 accumulator
+    norm.to("meta")
+    assert not norm.state._pending and norm.state.totals.device.type == "meta"
+    assert norm.state.sigma.dtype == torch.float32
 
 
 def test_qk_and_v_paths_switch_independently():

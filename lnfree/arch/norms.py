@@ -203,11 +203,15 @@ class ScaleState(nn.Module):
         self.eot_on = self.has_eot and bool(self.eot_active)
 
     def _apply(self, fn, recurse=True):
-        """Moves follow the model, dtype casts do not: σ, the blend and the statistics stay fp32 in a
-        model cast to bf16 / fp16 (a bf16 σ is off by up to 0.4 %, and bf16 sums of scales stall)."""
+        """Moves follow the model, casts to 16 bits do not: σ, the blend and the statistics stay fp32
+        in a model cast to bf16 / fp16 (a bf16 σ is off by up to 0.4 %, and bf16 sums of scales
+        stall). Pending scales are summed first, so they move with `totals`."""
+        self._fold_pending()
+
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
-            return t.to(out.device) if t.dtype == torch.float32 and out.dtype != t.dtype else out
+            low = out.dtype in (torch.bfloat16, torch.float16)
+            return t.to(out.device) if t.dtype == torch.float32 and low else out
 
         return super()._apply(keep_fp32, recurse)
 
