@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lnfree.arch import architecture
-from lnfree.evaluate import load_sequences, resolve_dataset
+from lnfree.evaluate import load_sequences, resolve_dataset, token_statistics
 from lnfree.load import load
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,7 +33,7 @@ def logits_of(source: str, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tenso
 
 def cross_entropy(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-token next-token cross-entropy, (n, context − 1)."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    return token_statistics(logits[:, :-1], ids[:, 1:])[0]["ce"]
 
 
 def main() -> None:
