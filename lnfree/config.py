@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lnfree.massive import MassiveNeurons
 from lnfree.schedule import Adaptive, Schedule
 
 
@@ -102,6 +103,9 @@ class RemovalConfig(_Strict):
         "its frozen σ (0 or 1: an instant switch)"
     )
     adaptive: Adaptive | None = Field(None, description="time removals by the training loss instead of fixed gaps")
+    massive_neurons: MassiveNeurons | None = Field(
+        None, description="first damp out the MLP neurons that write massive activations (lnfree.massive)"
+    )
 
 
 class RunConfig(_Strict):

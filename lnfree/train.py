@@ -38,6 +38,7 @@ from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
 from lnfree.distill import kl_to_teacher, load_teacher
+from lnfree.massive import Damping, find_massive_neurons, massive_scales
 from lnfree.models import load_base
 from lnfree.plan import describe_run
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
@@ -48,6 +49,7 @@ CHECKPOINTS = "checkpoints"
 TOKENIZER = "tokenizer"
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint folder without it is incomplete
 PARTIAL = ".partial-"
+SCALE_SEQUENCES = 8  # held-out sequences on which the massive-activation scales are logged
 #: What lnfree writes in a run folder ("lnfree": the trackers' logs); --overwrite removes only these.
 RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, "log.jsonl", "start.json", "summary.json", "export", "control", "lnfree")
 
@@ -101,6 +103,10 @@ def resolve_run(
     )
     if removal.mode == "vanilla":
         return config, []
+    massive = removal.massive_neurons
+    if massive is not None and massive.start + massive.steps > max_steps:
+        raise ScheduleError(f"the massive-neuron damping ends at step {massive.start + massive.steps - 1}, but the run "
+                            f"ends after {max_steps} steps")
     events = schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
     if latest >= max_steps:
         raise ScheduleError(f"the last removal can end at step {latest} (adaptive max_gap and blend_steps "
@@ -295,6 +301,25 @@ def _stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Pa
     )
 
 
+def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Path, resume: bool, main: bool) -> Damping | None:
+    """The massive-neuron damping of a removal run (None without one): neurons found on the first
+    step's batches of process 0 (the same on every process) and recorded in the run folder, or read
+    back from it on resume."""
+    massive = config.removal.massive_neurons
+    if massive is None or config.removal.mode != "remove":
+        return None
+    if resume:
+        return Damping.load(massive, out)
+    device = next(model.parameters()).device
+    probe = (batches.get(0, i % batches.accumulation, 0).to(device) for i in range(config.train.sigma_init_batches))
+    damping = Damping(massive, find_massive_neurons(model, probe, massive.ratio, massive.min_output))
+    if main:
+        damping.save(out)
+    logger.info("massive-activation neurons to damp: %s",
+                ", ".join(f"{n.layer}.{n.index}" for n in damping.neurons) or "none found")
+    return damping
+
+
 def _event_record(event: Event, model: nn.Module) -> dict:
     record = {"event": "remove", "step": event.step, "slot": event.slot}
     if event.kind not in surgery.SPECIALS:
@@ -464,6 +489,12 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
 
     if train.report_to:
         accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
+    scale_probe = data.eval_batch(min(config.data.eval_sequences, SCALE_SEQUENCES))
+
+    def scales() -> dict[str, float]:  # position 0's and the outlier token's scale at the norm inputs
+        with autocast():
+            return massive_scales(accelerator.unwrap_model(model), scale_probe.to(accelerator.device), forward=model)
+
     if not resume:  # measured on the plain module, before any DDP/FSDP wrapping
         ce_start = held_out_ce(model, data, config.data.eval_sequences, micro_batch, autocast).item()
         if removing:
@@ -474,8 +505,9 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
         log({"event": "start", "step": 0, "held_out_ce": ce_start, "held_out_tokens": scored, "mode": config.removal.mode,
              "precision": precision, "processes": world, "micro_batch_size": micro_batch, "accumulation": accumulation,
-             "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum})
+             "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum, **scales()})
 
+    damping = _damping(config, model, batches, out, resume, accelerator.is_main_process)
     optimizer = make_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(model)
@@ -514,6 +546,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             surgery.apply_event(bare, event, fraction)
             if event.step == step:
                 log(_event_record(event, bare))
+        if damping is not None and (factor := damping.apply(bare, step)) is not None:
+            log({"event": "damp_massive_neurons", "step": step, "factor": factor})
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -558,16 +592,20 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             log(record)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored})
+            log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored,
+                 **scales()})
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
                              "timeline": timeline.state_dict()})
     lnf_input.handle.remove()
+    if damping is not None:  # the last optimiser step's momentum moved the zeroed neurons
+        damping.apply(bare, train.max_steps)
 
     ce_end = eval_ce().item()
     seconds = round(seconds_before + time.perf_counter() - started, 2)
-    log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": scored, "seconds": seconds})
+    log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": scored, "seconds": seconds,
+         **scales()})
     checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config,
                                  {"seconds": seconds, "held_out_ce": ce_end, "timeline": timeline.state_dict()})
     if train.report_to:

@@ -82,6 +82,8 @@ class Architecture:
     layers: ClassVar[str]  # path of the ModuleList of blocks
     attention: ClassVar[str]  # block-relative path of the attention module
     mlp: ClassVar[str]  # block-relative path of the MLP
+    mlp_in: ClassVar[tuple[str, ...]]  # block-relative paths of the MLP's input projections (one output feature per neuron)
+    mlp_out: ClassVar[str]  # block-relative path of the MLP's output projection (its input: the neurons' activations)
     bridge: ClassVar[BridgeSpec]
 
     def __init__(self, config):
@@ -124,6 +126,10 @@ class Architecture:
     def block(self, layer: int, name: str) -> str:
         """The module path of `name` inside block `layer`."""
         return f"{self.layers}.{layer}.{name}"
+
+    def neurons(self, layer: int) -> tuple[tuple[str, ...], str]:
+        """The module paths of block `layer`'s MLP: (input projections, output projection)."""
+        return tuple(self.block(layer, p) for p in self.mlp_in), self.block(layer, self.mlp_out)
 
     def output_modules(self) -> list[str]:
         """Per block, the attention and MLP modules whose outputs are added to the residual stream."""

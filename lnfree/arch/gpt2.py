@@ -20,6 +20,8 @@ class GPT2(Architecture):
     layers = "transformer.h"
     attention = "attn"
     mlp = "mlp"
+    mlp_in = ("mlp.c_fc",)
+    mlp_out = "mlp.c_proj"
     bridge = BridgeSpec("GPT2LMHeadModel", {"ln1": "ln_1", "ln2": "ln_2"}, "transformer.ln_f")
 
     def check(self) -> None:

@@ -24,6 +24,8 @@ class GPTNeoX(Architecture):
     layers = "gpt_neox.layers"
     attention = "attention"
     mlp = "mlp"
+    mlp_in = ("mlp.dense_h_to_4h",)
+    mlp_out = "mlp.dense_4h_to_h"
     bridge = BridgeSpec(
         "GPTNeoXForCausalLM", {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}, "gpt_neox.final_layer_norm"
     )

@@ -21,6 +21,8 @@ class Llama(Architecture):
     layers = "model.layers"
     attention = "self_attn"
     mlp = "mlp"
+    mlp_in = ("mlp.gate_proj", "mlp.up_proj")
+    mlp_out = "mlp.down_proj"
     bridge = BridgeSpec("LlamaForCausalLM", _BRIDGE_NORMS, "model.norm")
 
     @property

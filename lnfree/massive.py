@@ -1,0 +1,244 @@
+"""Massive-activation neurons: find the MLP neurons that write a model's massive activations, and
+damp them out before the norms are fixed.
+
+Modern LLMs put a *massive activation* (Sun et al. 2024, arXiv 2402.17762) on the first token:
+SmolLM2-135M's residual stream at position 0 is ~1,000 RMS against 6–30 elsewhere. A real norm
+divides it away; a fixed σ cannot, and the token explodes through the gated MLPs
+(`experiments/results/smollm2-135m/`). The activation is written by very few MLP neurons that fire
+almost only there (SmolLM2: two neurons of block 11 at ~3,000 and ~1,000 at position 0, ≤ 2.2 on
+every other token; the repeated tokens that sometimes turn massive at positions 1–2 fire the same
+neurons) and partly erased by a few later ones.
+
+`find_massive_neurons` picks the neurons whose mean |activation| at position 0 is at least `ratio`×
+their 99th percentile over the other positions and whose output there is at least `min_output`× the
+median norm of their MLP's output elsewhere. `Damping` then scales those neurons' output columns
+geometrically from 1 to `floor` over `steps` training steps and finally zeroes the neuron (its input
+rows and bias too: a zero neuron has a zero gradient, so the optimiser cannot grow it back), while
+every norm is still real and fine-tuning lets the model find another way to make its attention sink.
+The result is a plain model with a few dead neurons; nothing else changes, so exports stay plain.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from lnfree.arch import architecture
+
+#: The run-folder file that records the neurons a run damps (read back on resume).
+NEURONS_FILE = "massive_neurons.json"
+
+
+class MassiveNeurons(BaseModel):
+    """Find the neurons that write massive activations and damp them out (`removal.massive_neurons`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ratio: float = Field(20.0, gt=1, description="a neuron qualifies when its mean |activation| at position 0 is at "
+                         "least this many times its 99th percentile at the other positions")
+    min_output: float = Field(10.0, ge=0, description="... and its output at position 0 is at least this many times "
+                              "the median norm of its MLP's output at the other positions")
+    start: int = Field(0, ge=0, description="first damping step")
+    steps: int = Field(100, ge=1, description="damping length: output scaled geometrically from 1 to `floor`, then zero")
+    floor: float = Field(0.01, gt=0, lt=1, description="the last scale before the neurons are zeroed")
+
+
+@dataclass(frozen=True)
+class Neuron:
+    """One massive-activation neuron and what singled it out (measured on the original model)."""
+
+    layer: int
+    index: int
+    position0: float  # mean |activation| at position 0
+    elsewhere: float  # 99th percentile of |activation| at the other positions
+    output_ratio: float  # its output norm at position 0 over the median MLP output norm elsewhere
+
+
+@torch.no_grad()
+def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_output: float = 10.0) -> list[Neuron]:
+    """The MLP neurons of `model` that write massive activations at position 0, measured on `batches` of ids."""
+    arch = architecture(model)
+    acts: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
+    outs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
+
+    def keep(layer):
+        def hook(module, args, output):
+            acts[layer].append(args[0].detach().float().abs())
+            outs[layer].append(output.detach().float().norm(dim=-1))
+        return hook
+
+    hooks = [model.get_submodule(arch.neurons(i)[1]).register_forward_hook(keep(i)) for i in range(arch.n_layers)]
+    was_training = model.training
+    model.eval()
+    try:
+        for input_ids in batches:
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    found = []
+    for layer in range(arch.n_layers):
+        a = torch.cat(acts[layer])  # (sequences, positions, neurons)
+        first, rest = a[:, 0].mean(0), a[:, 1:].flatten(0, 1)
+        elsewhere = torch.quantile(rest, 0.99, dim=0) if rest.shape[0] > 1 else rest.amax(0)
+        typical = torch.cat(outs[layer])[:, 1:].median().clamp_min(1e-12)
+        weight = _neuron_weights(model.get_submodule(arch.neurons(layer)[1]), arch.conv1d, output=True)
+        out_ratio = first * weight.norm(dim=0) / typical
+        chosen = (first >= ratio * elsewhere.clamp_min(1e-12)) & (out_ratio >= min_output)
+        for j in chosen.nonzero().flatten().tolist():
+            found.append(Neuron(layer, j, float(first[j]), float(elsewhere[j]), float(out_ratio[j])))
+    return found
+
+
+def _neuron_weights(module: nn.Module, conv1d: bool, output: bool) -> torch.Tensor:
+    """A projection's weight laid out with one column per neuron: (features, neurons).
+
+    An output projection reads the neurons (Linear: weight (out, in)); an input projection writes
+    them (Linear: weight (neurons, in), transposed here). GPT-2's Conv1D stores (in, out).
+    """
+    w = module.weight
+    return (w.t() if conv1d else w) if output else (w if conv1d else w.t())
+
+
+@torch.no_grad()
+def scale_neurons(model: nn.Module, neurons: list[Neuron], factor: float) -> None:
+    """Multiply the output columns of `neurons` by `factor`; at 0, zero their input rows and biases too."""
+    arch = architecture(model)
+    for n in neurons:
+        inputs, output = arch.neurons(n.layer)
+        _neuron_weights(model.get_submodule(output), arch.conv1d, output=True)[:, n.index] *= factor
+        if factor == 0:
+            for path in inputs:
+                proj = model.get_submodule(path)
+                _neuron_weights(proj, arch.conv1d, output=False)[:, n.index] = 0
+                if getattr(proj, "bias", None) is not None:
+                    proj.bias[n.index] = 0
+
+
+class Damping:
+    """The neurons' output scale per step: 1 before `start`, floor^(k/steps) at the k-th damping step
+    (k = 1 … steps − 1), then 0. `apply(model, step)` moves the weights from the previous step's scale
+    to this step's, so a run resumed from any checkpoint (whose weights carry the scale) continues
+    exactly."""
+
+    def __init__(self, config: MassiveNeurons, neurons: list[Neuron]):
+        self.config = config
+        self.neurons = neurons
+
+    def factor(self, step: int) -> float:
+        """The neurons' output scale during `step`."""
+        k = step - self.config.start + 1
+        if k <= 0:
+            return 1.0
+        return 0.0 if k >= self.config.steps else self.config.floor ** (k / self.config.steps)
+
+    def apply(self, model: nn.Module, step: int) -> float | None:
+        """Before the forward passes of `step`: rescale the neurons; returns the new scale if it changed.
+
+        Once zeroed, the neurons are zeroed again at every call: Adam's momentum from the steps
+        before would otherwise move them off zero, and a neuron off zero has gradients again.
+        """
+        now, before = self.factor(step), self.factor(step - 1)
+        if not self.neurons or (now == before and now != 0):
+            return None
+        scale_neurons(model, self.neurons, 0.0 if now == 0 else now / before)
+        return now if now != before else None
+
+    def save(self, folder: Path) -> None:
+        """Record the neurons in `folder` (the run folder)."""
+        (Path(folder) / NEURONS_FILE).write_text(json.dumps([asdict(n) for n in self.neurons], indent=1) + "\n")
+
+    @classmethod
+    def load(cls, config: MassiveNeurons, folder: Path) -> Damping:
+        """The damping of a run whose neurons were recorded in `folder`."""
+        path = Path(folder) / NEURONS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the run's massive neurons cannot be resumed")
+        return cls(config, [Neuron(**entry) for entry in json.loads(path.read_text())])
+
+
+@torch.no_grad()
+def massive_scales(model: nn.Module, input_ids: torch.Tensor, forward: nn.Module | None = None) -> dict[str, float]:
+    """How massive position 0 and the most extreme other token are at the norm inputs, on `input_ids`.
+
+    `forward` is what to call when `model` is wrapped (DDP / FSDP): the hooks sit on `model`'s modules.
+
+    Per norm, the per-token RMS over the median token's (position 0: the median over sequences;
+    outlier: the largest at any other position); the largest over all norms of each. A fixed σ
+    hands such a token that many times its real scale.
+    """
+    arch = architecture(model)
+    rms: list[torch.Tensor] = []
+    hooks = [model.get_submodule(site.module).register_forward_pre_hook(
+        lambda module, args: rms.append(args[0].detach().float().pow(2).mean(-1).sqrt())) for site in arch.sites()
+        if not site.per_head]
+    was_training = model.training
+    model.eval()
+    try:
+        (forward or model)(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    pos0 = max(float(r[:, 0].median() / r[:, 1:].median()) for r in rms)
+    outlier = max(float(r[:, 1:].max() / r[:, 1:].median()) for r in rms)
+    return {"position0_scale": pos0, "outlier_scale": outlier}
+
+
+@torch.no_grad()
+def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: int = 1, neuron: int = 0,
+                         channel: int = 0, scale: float = 100.0, marker: float = 3.0, seed: int = 0) -> Neuron:
+    """Give `model` a massive activation at position 0, written the way real LLMs write theirs: one MLP
+    neuron of block `layer` fires only there and adds `scale`× the median residual norm to residual
+    channel `channel`. A test bed for `find_massive_neurons` and `Damping` on tiny models.
+
+    Position 0 gets a random marker direction (`marker`× the median embedding norm): in its position
+    embedding (GPT-2), or else in the embedding of the token every sequence of `input_ids` starts
+    with (a BOS token). The neuron's input weights read that marker from the MLP input, with a bias
+    (or, in a gated MLP, the product of two such reads) that keeps it off at the other positions.
+    """
+    arch = architecture(model)
+    first = input_ids[:, 0]
+    if arch.position_embedding is not None:
+        row = model.get_submodule(arch.position_embedding).weight[0]
+    elif bool((first == first[0]).all()):
+        row = model.get_submodule(arch.token_embedding).weight[int(first[0])]
+    else:
+        raise ValueError(f"{arch.family} has no position embeddings: every sequence must start with the same token")
+    generator = torch.Generator().manual_seed(seed)
+    direction = torch.randn(row.shape[0], generator=generator)
+    inputs, output = arch.neurons(layer)
+    states = model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    embedded, typical = (states[i].norm(dim=-1).median() for i in (0, layer))
+    row += marker * embedded * direction / direction.norm()
+    x = _captured_input(model, inputs[0], input_ids)
+    gap = x[:, 0].mean(0) - x[:, 1:].flatten(0, 1).mean(0)
+    read = gap / gap.pow(2).sum()  # reads 1 at position 0's mean, 0 at the others' mean
+    others = (x @ read)[:, 1:].max()
+    threshold = others + 0.25 * (1 - others)  # a quarter of the way from the others to position 0
+    for path in inputs:  # a gated MLP's gate and up read the same: their product is ~0 unless both fire
+        proj = model.get_submodule(path)
+        _neuron_weights(proj, arch.conv1d, output=False)[:, neuron] = 40 * read
+        if getattr(proj, "bias", None) is not None:
+            proj.bias[neuron] = -40 * float(threshold)
+    out = _neuron_weights(model.get_submodule(output), arch.conv1d, output=True)
+    out[:, neuron] = 0
+    act = _captured_input(model, output, input_ids)[..., neuron]
+    out[channel, neuron] = scale * typical / act[:, 0].mean()
+    return Neuron(layer, neuron, float(act[:, 0].abs().mean()), float(act[:, 1:].abs().max()), float("nan"))
+
+
+def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> torch.Tensor:
+    seen = []
+    hook = model.get_submodule(path).register_forward_pre_hook(lambda module, args: seen.append(args[0].float()))
+    try:
+        model(input_ids=input_ids)
+    finally:
+        hook.remove()
+    return seen[0]
+

@@ -1,0 +1,170 @@
+"""Massive-activation neurons: found where planted, damped exactly, dead once zeroed, resumable, and what
+keeps a removal finite where the plain recipe explodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2LMHeadModel
+
+from families import FAMILIES, tiny_family
+from lnfree.arch import architecture
+from lnfree.config import with_overrides
+from lnfree.massive import (
+    NEURONS_FILE, Damping, MassiveNeurons, Neuron, find_massive_neurons, massive_scales, plant_massive_neuron,
+    scale_neurons,
+)
+from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.train import run
+
+
+def first_token_ids(vocab: int = 64, seed: int = 1) -> torch.Tensor:
+    """16 random sequences that all start with token 1 (a BOS-style first token; 0 is a padding row)."""
+    ids = torch.randint(2, vocab, (16, 32), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 1
+    return ids
+
+
+def neuron_weights(model, layer: int, index: int) -> list[torch.Tensor]:
+    """Every weight entry that belongs to one neuron (input rows, biases, output column), flattened."""
+    arch = architecture(model)
+    inputs, output = arch.neurons(layer)
+    parts = []
+    for path in inputs:
+        proj = model.get_submodule(path)
+        parts.append((proj.weight[:, index] if arch.conv1d else proj.weight[index]).flatten())
+        if getattr(proj, "bias", None) is not None:
+            parts.append(proj.bias[index].reshape(1))
+    out = model.get_submodule(output).weight
+    parts.append((out[index] if arch.conv1d else out[:, index]).flatten())
+    return parts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planted_neuron_is_found_alone_and_zeroing_it_leaves_no_gradient(family):
+    model = tiny_family(family)
+    ids = first_token_ids()
+    assert find_massive_neurons(model, ids.split(4)) == []
+    before = massive_scales(model, ids)["position0_scale"]
+    plant_massive_neuron(model, ids, layer=1, neuron=5, scale=100.0)
+    planted = massive_scales(model, ids)["position0_scale"]
+    assert planted > 20 * before
+    # Gated MLPs have no bias to threshold with: the planted neuron stands out 3.4–11×, not 1000× as in SmolLM2.
+    found = find_massive_neurons(model, ids.split(4), ratio=3.0)
+    assert [(n.layer, n.index) for n in found] == [(1, 5)]
+    assert found[0].position0 > 3 * found[0].elsewhere and found[0].output_ratio > 10
+
+    scale_neurons(model, found, 0.0)
+    assert all(bool((part == 0).all()) for part in neuron_weights(model, 1, 5))
+    assert massive_scales(model, ids)["position0_scale"] < planted / 10  # what remains is the marker
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    arch = architecture(model)
+    inputs, output = arch.neurons(1)
+    for path in (*inputs, output):  # the neuron's gradient is exactly zero: no optimiser can regrow it
+        proj = model.get_submodule(path)
+        by_neuron = proj.weight.grad if (path == output) == arch.conv1d else proj.weight.grad.t()
+        assert bool((by_neuron[5] == 0).all()), path
+        if path != output and getattr(proj, "bias", None) is not None:
+            assert float(proj.bias.grad[5]) == 0
+
+
+def test_damping_scales_geometrically_then_zeroes_and_a_fresh_object_continues_exactly():
+    model = tiny_family("llama")
+    config = MassiveNeurons(start=2, steps=4, floor=1e-2)
+    neurons = [Neuron(0, 3, 1.0, 0.0, 1.0), Neuron(1, 7, 1.0, 0.0, 1.0)]
+    damping = Damping(config, neurons)
+    assert [damping.factor(s) for s in range(8)] == pytest.approx([1, 1, 10**-0.5, 0.1, 10**-1.5, 0, 0, 0])
+    out = model.get_submodule(architecture(model).neurons(1)[1]).weight
+    original = out[:, 7].clone()
+    resumed = tiny_family("llama")
+    for step in range(8):
+        changed = damping.apply(model, step)
+        assert changed == (None if step in (0, 1, 6, 7) else pytest.approx(damping.factor(step)))
+        if step == 3:  # a resumed run: a new object, the weights as they were saved
+            resumed.load_state_dict(model.state_dict())
+            later = Damping(config, neurons)
+        if step > 3:
+            later.apply(resumed, step)
+        torch.testing.assert_close(out[:, 7], original * damping.factor(step), rtol=1e-6, atol=0)
+    assert torch.equal(resumed.state_dict()["model.layers.1.mlp.down_proj.weight"], out)
+
+
+def test_damping_zeroes_again_after_the_optimiser_moved_a_dead_neuron():
+    model = tiny_family("gpt2")
+    damping = Damping(MassiveNeurons(start=0, steps=1), [Neuron(1, 2, 1.0, 0.0, 1.0)])
+    damping.apply(model, 0)
+    with torch.no_grad():
+        for part in neuron_weights(model, 1, 2):
+            part += 0.01  # Adam's momentum from before the neuron was zeroed
+    assert damping.apply(model, 5) is None  # no change of scale to report
+    assert all(bool((part == 0).all()) for part in neuron_weights(model, 1, 2))
+
+
+def planted_tiny(folder, scale: float = 1000.0):
+    """The bundled tiny GPT-2 with a planted massive neuron (position 0's residual ~700× the median)."""
+    from lnfree.config import DataConfig
+    from lnfree.data import prepare_data
+
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    data = prepare_data(DataConfig(source="tiny", max_documents=300, val_fraction=0.05, context_length=64,
+                                   cache_dir=str(folder / "cache")), tokenizer, 64, model.config.vocab_size)
+    plant_massive_neuron(model, torch.as_tensor(data.train[:16].astype("int64")), scale=scale)
+    model.save_pretrained(folder / "planted")
+    tokenizer.save_pretrained(folder / "planted")
+    return folder / "planted"
+
+
+@pytest.fixture(scope="module")
+def planted_model(tmp_path_factory):
+    return planted_tiny(tmp_path_factory.mktemp("massive"))
+
+
+def planted_config(run_config, model, **massive):
+    """Every norm fixed by step 20 at a learning rate too small to unlearn the planted neuron."""
+    config = with_overrides(run_config(max_steps=30, learning_rate=1e-5, min_learning_rate=1e-6, eval_every=10), {
+        "model": str(model),
+        "removal.schedule": {"stages": [{"kind": "ln_2", "start": 8, "gap": 1}, {"kind": "ln_1qk", "gap": 1},
+                                        {"kind": "ln_1v", "gap": 1}, {"kind": "ln_f", "gap": 0}]},
+    })
+    return with_overrides(config, {"removal.massive_neurons": massive}) if massive else config
+
+
+def final_record(run_dir) -> dict:
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()][-1]
+
+
+def test_damping_keeps_a_removal_finite_where_the_plain_recipe_explodes(run_config, planted_model, tmp_path):
+    plain = run(planted_config(run_config, planted_model), progress=False)
+    damped_config = with_overrides(planted_config(run_config, planted_model, steps=6),
+                                   {"output_dir": str(tmp_path / "damped")})
+    damped = run(damped_config, progress=False)
+    end = final_record(plain.output_dir), final_record(damped.output_dir)
+    assert [(n["layer"], n["index"]) for n in json.loads((damped.output_dir / NEURONS_FILE).read_text())] == [(1, 0)]
+    # Without damping, position 0 reaches the fixed norms ~1000× too large and the LN-free model is wrecked.
+    assert end[0]["position0_scale"] > 100 and plain.held_out_ce_end > plain.held_out_ce_start + 3
+    assert end[1]["position0_scale"] < 10 and damped.held_out_ce_end < plain.held_out_ce_end - 3
+
+
+def test_resume_during_damping_is_exact_and_the_config_round_trips(run_config, planted_model, tmp_path):
+    config = with_overrides(planted_config(run_config, planted_model, steps=10), {"train.save_every": 5,
+                                                                                  "train.max_steps": 24})
+    full = run(config, progress=False)
+    saved = json.loads((full.output_dir / "run_config.json").read_text())
+    assert saved["removal"]["massive_neurons"]["steps"] == 10
+
+    moved = tmp_path / "moved"
+    shutil.copytree(full.output_dir, moved)
+    for later in ("step_000010", "step_000015", "step_000020", "step_000024"):
+        shutil.rmtree(moved / "checkpoints" / later)
+    resumed = run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)
+    for name, value in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    (moved / NEURONS_FILE).unlink()
+    shutil.rmtree(moved / "checkpoints" / "step_000024")
+    with pytest.raises(FileNotFoundError, match=NEURONS_FILE):
+        run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)
