@@ -80,6 +80,7 @@ from torch import nn
 
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps
+from lnfree.arch.norms import FixedScaleNorm
 
 __all__ = [
     "HOOK_NAMES",
@@ -350,6 +351,37 @@ def bridge_logits(bridge: Any, input_ids: Any) -> torch.Tensor:
         return bridge(_as_batch(input_ids, bridge), return_type="logits")
 
 
+@dataclass
+class FixedFinalNorm:
+    """A pass-through bridge's final norm when it is a fixed-scale norm: x ↦ centre(x) · scale + bias.
+
+    The partially LN-free case that direct logit attribution needs: with the final norm fixed the
+    logits are affine in the final residual stream, whatever the norms inside the blocks do.
+    """
+
+    scale: torch.Tensor  # weight / σ, [d_model]
+    bias: Optional[torch.Tensor]  # [d_model] or None
+    centre: bool  # LayerNorm: subtract the mean first
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm without its bias, in ``x``'s dtype."""
+        x = x - x.mean(-1, keepdim=True) if self.centre else x
+        return x * self.scale.to(x.dtype)
+
+
+def fixed_final_norm(bridge: Any) -> Optional[FixedFinalNorm]:
+    """The final norm of a pass-through bridge as an affine map when it is a fixed-scale norm (one σ
+    for every token), else None (an identity, a real norm, or a normalising bridge)."""
+    if _is_normalised(bridge):
+        return None
+    norm = getattr(bridge.ln_final, "original_component", None)
+    if not isinstance(norm, FixedScaleNorm) or not norm.state.is_fake or norm.state.wants_context:
+        return None
+    scale = (norm.weight.detach().double() / norm.state.sigma.double())
+    bias = norm.bias.detach().double() if norm.bias is not None else None
+    return FixedFinalNorm(scale, bias, norm.state.kind == "layer")
+
+
 def _is_normalised(bridge: Any) -> bool:
     return bridge.cfg.normalization_type is not None
 
@@ -468,7 +500,11 @@ def direct_logit_attribution(
         W_U, b_U = W_U[:, index], b_U[index]
     comps = decomposition.components
     if not _is_normalised(bridge):
-        return comps @ W_U, b_U.clone()
+        fixed = fixed_final_norm(bridge)
+        if fixed is None:
+            return comps @ W_U, b_U.clone()
+        bias = b_U.clone() if fixed.bias is None else b_U + fixed.bias.to(W_U.dtype) @ W_U
+        return fixed.linear(comps) @ W_U, bias
     if decomposition.final_scale is None:
         raise ValueError("the decomposition has no final LayerNorm scale but the bridge normalises")
     norm = bridge.ln_final.original_component

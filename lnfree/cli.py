@@ -108,6 +108,8 @@ def _summary_lines(summary: dict) -> list[str]:
         lines += ["removed (block @ step):", *_removal_lines(summary["removal_events"])]
     if "export" in summary:
         lines.append(f"LN-free export: {summary['export']}")
+    if "partial" in summary:
+        lines.append(f"partial removal: {summary['partial']}")
     return lines
 
 
@@ -161,6 +163,7 @@ def remove(
 def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, started: float) -> None:
     """The removal (and control) runs, the export and the summary of `lnfree remove`."""
     from lnfree.config import with_overrides
+    from lnfree import surgery
     from lnfree.export import export_run
     from lnfree.train import quiet_libraries, run
 
@@ -197,7 +200,12 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
             summary["held_out_ce"]["vanilla"] = control_result.held_out_ce_end
             summary["control_dir"] = str(control_result.output_dir)
         if cfg.removal.mode == "remove":
-            summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
+            if surgery.is_fully_removed(result.model):
+                summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
+            else:  # a plain model has one eps for every norm: only the run's checkpoints hold a partial removal
+                fixed = sum(s.is_fake for s in surgery.scale_states(result.model).values())
+                summary["partial"] = (f"{fixed} of {len(surgery.scale_states(result.model))} norms fixed: no plain "
+                                      f"export; lnfree.load, verify, eval and analyze read the run folder {out}")
             summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     typer.echo("\n".join(_summary_lines(summary)))
@@ -238,6 +246,10 @@ def schedule(
     else:
         typer.echo(cfg.removal.schedule.describe(n_layer))
     removal = cfg.removal
+    if removal.massive_neurons is not None:
+        m = removal.massive_neurons
+        typer.echo(f"massive-activation neurons (found as the run starts): output damped from 1 to {m.floor:g} over "
+                   f"steps {m.start}–{m.start + m.steps - 2}, zeroed at step {m.start + m.steps - 1}")
     if removal.blend_steps > 1:
         typer.echo(f"gradual: each removal blends into its fixed σ over {removal.blend_steps} steps")
     if removal.adaptive:

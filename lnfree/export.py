@@ -31,6 +31,7 @@ from lnfree.arch import architecture
 from lnfree.arch.base import set_norm_eps, v_mask
 from lnfree.arch.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
+from lnfree.massive import NEURONS_FILE
 
 EPS_TRICK_EPS = 1e12
 EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
@@ -230,9 +231,11 @@ def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | Non
     from lnfree.train import TOKENIZER
 
     out = Path(out) if out is not None else result.output_dir / "export"
+    neurons = result.output_dir / NEURONS_FILE  # the MLP neurons the run damped out (lnfree.massive)
     record = {
         "run_config": json.loads(result.config.model_dump_json()),
         "events": result.events,
+        **({"massive_neurons": json.loads(neurons.read_text())} if neurons.is_file() else {}),
         "held_out_ce": held_out_ce or {"original": result.held_out_ce_start, "ln_free": result.held_out_ce_end},
     }
     tokenizer = AutoTokenizer.from_pretrained(result.output_dir / TOKENIZER)

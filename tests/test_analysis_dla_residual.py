@@ -187,3 +187,24 @@ def test_dla_refuses_a_partially_ln_free_model(tokens):
     partial = LoadedModel(model, None, "partial", "test", True)
     with pytest.raises(ValueError, match="partially LN-free"):
         dla.dla_and_direct_effect(partial.bridge(), tokens)
+
+
+@pytest.mark.parametrize("family", ["tiny-gpt2", "llama"])
+def test_dla_equals_de_when_only_the_final_norm_is_fixed(family, tokens):
+    """The DLA-exact partial removal: every block norm real, the final norm fixed."""
+    from families import tiny_family
+    from lnfree import surgery
+    from lnfree.load import LoadedModel
+
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval() if family == "tiny-gpt2" else tiny_family(family)
+    ids = tokens % model.config.vocab_size
+    surgery.install(model)
+    surgery.initialise_sigmas(model, [ids])
+    surgery.scale_states(model)["ln_f"].switch_to_fake()
+    partial = AnalysisModel("ln_f_only", LoadedModel(model, None, "partial", "test", True))
+    result = dla.dla_and_direct_effect(partial.bridge(), ids, batch_size=2)
+    assert (result.dla.double() - result.de).abs().max() < 1e-5
+    assert dla.global_nmae(result, n_resamples=50)["nmae"] < 1e-5
+    expected = _target_logits(partial, ids)
+    torch.testing.assert_close(result.dla.sum(0) + result.bias, expected, atol=1e-4, rtol=0)
+    assert dla._final_norm_state(partial).startswith("fixed")

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 from families import FAMILIES, tiny_family
 from lnfree.arch import architecture
 from lnfree.config import with_overrides
+from lnfree.export import export_run
 from lnfree.massive import (
     NEURONS_FILE, Damping, MassiveNeurons, Neuron, find_massive_neurons, massive_scales, plant_massive_neuron,
     scale_neurons,
@@ -148,6 +149,8 @@ def test_damping_keeps_a_removal_finite_where_the_plain_recipe_explodes(run_conf
     # Without damping, position 0 reaches the fixed norms ~1000× too large and the LN-free model is wrecked.
     assert end[0]["position0_scale"] > 100 and plain.held_out_ce_end > plain.held_out_ce_start + 3
     assert end[1]["position0_scale"] < 10 and damped.held_out_ce_end < plain.held_out_ce_end - 3
+    record = json.loads((export_run(damped) / "lnfree_removal.json").read_text())
+    assert [(n["layer"], n["index"]) for n in record["massive_neurons"]] == [(1, 0)]
 
 
 def test_resume_during_damping_is_exact_and_the_config_round_trips(run_config, planted_model, tmp_path):

@@ -70,6 +70,8 @@ def test_refuses_schedules_that_cannot_run():
                          Stage(kind="ln_1v", start=4, gap=1)]).check(4, 100)
     with pytest.raises(ScheduleError, match="before the last ln_1 V"):
         Schedule(stages=[Stage(kind="ln_2", start=1, gap=1), Stage(kind="ln_f")]).check(4, 100)
+    only_lnf = Schedule(stages=[Stage(kind="ln_f", start=3)]).check(4, 100)  # the DLA-exact partial removal
+    assert [(e.step, e.slot) for e in only_lnf] == [(3, "ln_f")]
     with pytest.raises(ScheduleError, match="run ends after 50"):
         derive_schedule(12).check(12, max_steps=50)
     with pytest.raises(ScheduleError, match="never turns it off"):

@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from lnfree.analysis.common import AnalysisModel, ratio_of_means_ci, write_figure, write_summary, write_table
-from lnfree.bridge import ResidualDecomposition, direct_logit_attribution, is_layernorm, residual_decomposition
+from lnfree.bridge import (
+    ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, residual_decomposition,
+)
 
 __all__ = [
     "DlaResult",
@@ -94,7 +96,10 @@ def final_norm(bridge: Any, resid: torch.Tensor) -> torch.Tensor:
     bias (1 and 0 after ``fold_ln``), computed in ``resid``'s dtype.
     """
     if bridge.cfg.normalization_type is None:
-        return resid
+        fixed = fixed_final_norm(bridge)
+        if fixed is None:
+            return resid
+        return fixed.linear(resid) + (0 if fixed.bias is None else fixed.bias.to(resid.dtype))
     if bridge.cfg.normalization_type not in ("LN", "LNPre", "RMS", "RMSPre"):
         raise ValueError(f"unsupported final norm {bridge.cfg.normalization_type!r}")
     centred = resid - resid.mean(-1, keepdim=True) if is_layernorm(bridge) else resid
@@ -110,15 +115,26 @@ def final_norm(bridge: Any, resid: torch.Tensor) -> torch.Tensor:
 
 
 def _check_final_norm(bridge: Any) -> None:
-    """Refuse pass-through bridges whose final norm is a real module (partially LN-free models)."""
-    if bridge.cfg.normalization_type is not None:
+    """Refuse pass-through bridges whose final norm is real (a partially LN-free model whose final norm
+    is not fixed): DLA needs the final norm fixed, absent, or folded (a LayerNorm model)."""
+    if bridge.cfg.normalization_type is not None or fixed_final_norm(bridge) is not None:
         return
     norm = getattr(bridge.ln_final, "original_component", None)
     if norm is not None and not isinstance(norm, torch.nn.Identity):
         raise ValueError(
-            f"the bridge's final norm is a {type(norm).__name__} behind a pass-through slot (a partially "
-            "LN-free model): DLA/DE need either an exactly LN-free model or a LayerNorm model"
+            f"the bridge's final norm is a real {type(norm).__name__} behind a pass-through slot (a partially "
+            "LN-free model): DLA/DE need the final norm fixed (an LN-free model, or one with only the final "
+            "norm fixed) or a LayerNorm model"
         )
+
+
+def _final_norm_state(model: AnalysisModel) -> str:
+    """What DLA reads the logits through, said in the output: exact unless the final norm is real."""
+    if model.ln_free:
+        return "none (LN-free): DLA = DE exactly"
+    if model.loaded.norms["ln_f"]["fixed"]:
+        return "fixed (partially LN-free, final norm fixed): DLA = DE exactly"
+    return "real: DLA linearises it at the cached scale"
 
 
 def _slice(decomposition: ResidualDecomposition, index: int) -> ResidualDecomposition:
@@ -146,7 +162,11 @@ def _target_logit_without(bridge: Any, x: torch.Tensor, comps: torch.Tensor, W_t
     alike, uncentred).
     """
     if bridge.cfg.normalization_type is None:
-        return ((x.unsqueeze(0) - comps) * W_t).sum(-1)
+        fixed = fixed_final_norm(bridge)
+        if fixed is None:
+            return ((x.unsqueeze(0) - comps) * W_t).sum(-1)
+        bias = 0 if fixed.bias is None else (fixed.bias * W_t).sum(-1)
+        return (fixed.linear(x.unsqueeze(0) - comps) * W_t).sum(-1) + bias
     norm = bridge.ln_final.original_component
     weight = getattr(norm, "weight", None)
     bias = getattr(norm, "bias", None)
@@ -353,6 +373,7 @@ def run(
         worst = heads.loc[heads["nmae"].idxmax()]
         per_model[model.label] = {
             "ln_free": bool(model.ln_free),
+            "final_norm": _final_norm_state(model),
             **stats,
             "max_head_nmae": float(worst["nmae"]),
             "max_head_nmae_component": str(worst["component"]),

@@ -1,0 +1,172 @@
+"""SmolLM2-135M's massive-activation neurons, and what damping them does.
+
+    python experiments/smollm2/massive_neurons.py [--run runs/smollm2-135m-massive/ln_free]
+        [--out experiments/results/smollm2-135m/massive_neurons]
+
+Measurements on real English text (`realtext`: 16 held-out sequences of 64 tokens score; 32 training
+sequences find the neurons, as a run's σ-initialisation batches do):
+1. The neurons `lnfree.massive.find_massive_neurons` picks at min_output 10 (the default) and 3.
+2. Their output scaled by s, no fine-tuning, every norm real: held-out CE and the position-0 and
+   outlier scales at the norm inputs (`lnfree.massive.massive_scales`).
+3. The ln_2 norms fixed one after another from block 29 down, no fine-tuning (σ measured on the
+   training sequences): held-out CE and the largest residual norm, on the original model and (with
+   --run) on the run's checkpoint where the damping has just ended, before any norm is fixed.
+4. With --run: held-out CE and the position-0 / outlier scales at every evaluation of the run (its
+   log), as a table and a figure.
+Writes results.json, tables.md and scales_over_training.{csv,html} to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lnfree import surgery
+from lnfree.arch import architecture
+from lnfree.config import DataConfig
+from lnfree.data import prepare_data
+from lnfree.export import load_checkpoint
+from lnfree.massive import find_massive_neurons, massive_scales, scale_neurons
+from lnfree.models import load_base
+from lnfree.train import checkpoints
+
+FACTORS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.0)
+
+
+@torch.no_grad()
+def score(model, tokens: torch.Tensor) -> dict:
+    """Held-out CE, the largest residual norm anywhere, and the massive-activation scales."""
+    out = model(input_ids=tokens, output_hidden_states=True)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    largest = max(float(h.float().norm(dim=-1).amax()) for h in out.hidden_states[:-1])
+    return {"held_out_ce": float(ce), "largest_residual_norm": largest, **massive_scales(model, tokens)}
+
+
+def damped_without_training(model, neurons, tokens) -> list[dict]:
+    rows, saved = [], {k: v.clone() for k, v in model.state_dict().items()}
+    for factor in FACTORS:
+        scale_neurons(model, neurons, factor)
+        rows.append({"factor": factor, **score(model, tokens)})
+        model.load_state_dict(saved)
+    return rows
+
+
+def ln2_fixed_top_down(model, train: torch.Tensor, tokens: torch.Tensor) -> list[dict]:
+    """Fix every ln_2 from the last block down, one at a time, without fine-tuning."""
+    if not surgery.is_installed(model):
+        surgery.install(model)
+    surgery.initialise_sigmas(model, train.split(8))
+    states = surgery.scale_states(model)
+    rows = []
+    for layer in reversed(range(architecture(model).n_layers)):
+        states[f"blocks.{layer}.ln_2"].switch_to_fake()
+        row = score(model, tokens)
+        rows.append({"fixed_down_to": layer, **{k: row[k] for k in ("held_out_ce", "largest_residual_norm")}})
+        if not torch.isfinite(torch.tensor(row["held_out_ce"])):
+            break
+    return rows
+
+
+def end_of_damping_checkpoint(run: Path) -> Path:
+    config = json.loads((run / "run_config.json").read_text())
+    massive = config["removal"]["massive_neurons"]
+    step = massive["start"] + massive["steps"]
+    found = [c for c in checkpoints(run)[0] if c.name == f"step_{step:06d}"]
+    if not found:
+        raise SystemExit(f"{run} has no checkpoint at step {step} (the end of its damping) yet")
+    return found[0]
+
+
+def scales_over_training(run: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    rows = [{k: r[k] for k in ("step", "held_out_ce", "position0_scale", "outlier_scale")} for r in records
+            if r.get("event") in ("start", "eval", "end") and "position0_scale" in r]
+    removals = [r["step"] for r in records if r.get("event") == "remove" and "sigma" in r]  # not special σ
+    for row in rows:
+        row["norms_switched"] = sum(step < row["step"] for step in removals)
+    return rows
+
+
+def figure(rows: list[dict], out: Path) -> None:
+    import pandas as pd
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from lnfree.analysis.common import write_figure
+
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "scales_over_training.csv", index=False)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for key, name in (("position0_scale", "position 0"), ("outlier_scale", "most extreme other token")):
+        fig.add_trace(go.Scatter(x=table["step"], y=table[key], name=f"{name} (RMS / median, max over norms)"))
+    fig.add_trace(go.Scatter(x=table["step"], y=table["held_out_ce"], name="held-out CE (nats)",
+                             line={"dash": "dot"}), secondary_y=True)
+    fig.update_yaxes(type="log", title_text="scale at the norm inputs", secondary_y=False)
+    fig.update_yaxes(title_text="held-out CE", secondary_y=True)
+    fig.update_layout(title="SmolLM2-135M: massive activations over the damped removal run", width=900, height=450,
+                      xaxis_title="optimiser step")
+    write_figure(fig, out, "scales_over_training")
+
+
+def tables(result: dict) -> str:
+    lines = ["| min_output | neurons (block.neuron: mean |activation| at position 0 / 99th percentile elsewhere, "
+             "output over the median MLP output) |", "|---|---|"]
+    for threshold, found in result["neurons"].items():
+        cells = ", ".join(f"{n['layer']}.{n['index']}: {n['position0']:.0f} / {n['elsewhere']:.2f}, "
+                          f"{n['output_ratio']:.0f}×" for n in found)
+        lines.append(f"| {threshold} | {cells} |")
+    lines += ["", "Their output scaled by s, no fine-tuning, every norm real (min_output 3):", "",
+              "| s | held-out CE | position 0 scale | outlier scale | largest residual norm |", "|---|---|---|---|---|"]
+    lines += [f"| {r['factor']} | {r['held_out_ce']:.3f} | {r['position0_scale']:.1f} | {r['outlier_scale']:.1f} | "
+              f"{r['largest_residual_norm']:,.0f} |" for r in result["damped_without_training"]]
+    for key, title in (("original", "the original model"), ("end_of_damping", "the run's checkpoint after damping")):
+        if key in result["ln2_top_down"]:
+            lines += ["", f"ln_2 fixed from block 29 down, no fine-tuning, on {title}:", "",
+                      "| fixed down to block | held-out CE | largest residual norm |", "|---|---|---|"]
+            lines += [f"| {r['fixed_down_to']} | {r['held_out_ce']:.3f} | {r['largest_residual_norm']:,.0f} |"
+                      for r in result["ln2_top_down"][key]]
+    if "over_training" in result:
+        lines += ["", "Over the run (its evaluations):", "",
+                  "| step | norms switched | held-out CE | position 0 scale | outlier scale |", "|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['norms_switched']} | {r['held_out_ce']:.3f} | {r['position0_scale']:.1f} | "
+                  f"{r['outlier_scale']:.1f} |" for r in result["over_training"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, help="a removal run with removal.massive_neurons")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/smollm2-135m/massive_neurons"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_base("smollm2-135m")
+    model.eval()
+    data = prepare_data(DataConfig(source="realtext", context_length=64), tokenizer, 64, model.config.vocab_size)
+    held_out = data.eval_batch(16)
+    train = torch.from_numpy(data.train[:32].astype("int64"))
+    neurons = {threshold: find_massive_neurons(model, train.split(4), min_output=threshold) for threshold in (10.0, 3.0)}
+    result = {"neurons": {str(k): [asdict(n) for n in v] for k, v in neurons.items()},
+              "damped_without_training": damped_without_training(model, neurons[3.0], held_out),
+              "ln2_top_down": {"original": ln2_fixed_top_down(model, train, held_out)}}
+    if args.run is not None:
+        checkpoint = end_of_damping_checkpoint(args.run)
+        damped, _, _ = load_checkpoint(checkpoint)
+        result["ln2_top_down"]["end_of_damping"] = ln2_fixed_top_down(damped, train, held_out)
+        result["end_of_damping_checkpoint"] = str(checkpoint)
+        result["over_training"] = scales_over_training(args.run)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "tables.md").write_text(tables(result))
+    if "over_training" in result:
+        figure(result["over_training"], args.out)
+    print(tables(result))
+    print(f"→ {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""summary.json of a SmolLM2 massive-neuron stage, from the runs' and the evaluations' own outputs.
+
+    python experiments/smollm2/summary.py STAGE --runs runs/smollm2-135m-massive \
+        --out experiments/results/smollm2-135m/STAGE --command "experiments/smollm2/massive.sh STAGE"
+
+STAGE is ln_f_only or ln_free. Reads RUNS/STAGE and RUNS/STAGE-vanilla (log.jsonl, summary.json, the
+latest checkpoint's removal state), OUT/eval/summary.json (held-out CE, JSD) and the DLA summary under
+OUT/analysis. Copies each run's log and config beside the summary. Nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from lnfree.train import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: run experiments/smollm2/massive.sh first")
+    return json.loads(path.read_text())
+
+
+def cpu_hours(run: Path) -> float:
+    """Training wall time of a run (its log's last `seconds`, resumes included) in hours."""
+    seconds = [r["seconds"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "seconds" in r]
+    return round(max(seconds) / 3600, 3)
+
+
+def dla_nmae(out: Path) -> dict:
+    found = sorted(out.glob("analysis/**/dla_summary.json"))
+    if not found:
+        raise SystemExit(f"no dla_summary.json under {out / 'analysis'}")
+    models = _json(found[0])["models"]
+    return {label: {"nmae": m["heads"]["nmae"], "ci": [m["heads"]["ci_low"], m["heads"]["ci_high"]],
+                    "final_norm": m.get("final_norm")} for label, m in models.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=["ln_f_only", "ln_free"])
+    parser.add_argument("--runs", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--command", required=True, help="the command that reproduces the stage")
+    args = parser.parse_args()
+    run, control = args.runs / args.stage, args.runs / f"{args.stage}-vanilla"
+    checkpoint = latest_checkpoint(run)
+    norms = _json(checkpoint / TRAINER_STATE)["removal_state"]
+    config = _json(run / RUN_CONFIG)
+    evaluation = _json(args.out / "eval" / "summary.json")
+    ce = {m["label"]: m["ce"]["mean"] for m in evaluation["models"]}
+    jsd = {p["b"]: p["jsd"]["mean"] for p in evaluation["pairs"] if p["a"] == "original"}
+    summary = {
+        "model": "smollm2-135m",
+        "stage": args.stage,
+        "norms_fixed": sum(state["fake"] for state in norms.values()),
+        "norms_total": len(norms),
+        "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": ce["vanilla"],
+                       "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
+                       "ln_free_minus_vanilla": ce[args.stage] - ce["vanilla"]},
+        "jsd_to_original": {"ln_free": jsd[args.stage], "vanilla": jsd["vanilla"]},
+        "dla_vs_de_head_nmae": dla_nmae(args.out),
+        "massive_neurons": json.loads((run / "massive_neurons.json").read_text()),
+        "tokens_trained": config["train"]["max_steps"] * config["train"]["tokens_per_step"],
+        "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control)},
+        "checkpoint": checkpoint.name,
+        "command": args.command,
+    }
+    for source, tag in ((run, args.stage), (control, "vanilla")):
+        (args.out / tag).mkdir(parents=True, exist_ok=True)
+        for name in ("log.jsonl", RUN_CONFIG, "massive_neurons.json"):
+            if (source / name).is_file():
+                shutil.copy(source / name, args.out / tag / name)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
