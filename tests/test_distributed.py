@@ -71,3 +71,18 @@ def two_processes_match_one(config, tmp_path):
     single_sigmas = torch.stack([s.sigmas() for s in surgery.scale_states(single.model).values()])
     torch.testing.assert_close(rank0, single_sigmas, rtol=1e-4, atol=0)
     assert result["held_out_ce_end"] == pytest.approx(single.held_out_ce_end, rel=1e-3)
+
+
+def test_two_process_damped_run_damps_the_same_neurons_as_one(run_config, tmp_path):
+    from test_massive import planted_tiny
+
+    from lnfree.massive import NEURONS_FILE
+
+    config = with_overrides(run_config(max_steps=22, micro_batch_size=4),  # 4 blocks: the last removal at 18
+                            {"model": str(planted_tiny(tmp_path)), "removal.massive_neurons": {"steps": 4}})
+    two_processes_match_one(config, tmp_path)  # σ on every rank equal to the single process's
+    # Every rank measures process 0's micro-batches, so the measured values depend on the process count,
+    # the chosen neurons do not.
+    neurons = [[(n["layer"], n["index"]) for n in json.loads((Path(folder) / NEURONS_FILE).read_text())]
+               for folder in (tmp_path / "dist-run", config.output_dir)]
+    assert neurons == [[(1, 0)], [(1, 0)]]
