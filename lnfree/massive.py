@@ -10,7 +10,7 @@ every other token; the repeated tokens that sometimes turn massive at positions 
 neurons) and partly erased by a few later ones.
 
 `find_massive_neurons` picks the neurons whose mean |activation| at position 0 is at least `ratio`×
-their 99th percentile over the other positions and whose output there is at least `min_output`× the
+their 99th percentile over the other positions (the largest over the measured batches) and whose output there is at least `min_output`× the
 median norm of their MLP's output elsewhere. `Damping` then scales those neurons' output columns
 geometrically from 1 to `floor` over `steps` training steps and finally zeroes the neuron (its input
 rows and bias too: a zero neuron has a zero gradient, so the optimiser cannot grow it back), while
@@ -21,6 +21,7 @@ The result is a plain model with a few dead neurons; nothing else changes, so ex
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class MassiveNeurons(BaseModel):
                               "the median norm of its MLP's output at the other positions")
     start: int = Field(0, ge=0, description="first damping step")
     steps: int = Field(100, ge=1, description="damping length: output scaled geometrically from 1 to `floor`, then zero")
-    floor: float = Field(0.01, gt=0, lt=1, description="the last scale before the neurons are zeroed")
+    floor: float = Field(1e-4, gt=0, lt=1, description="the last scale before the neurons are zeroed")
 
 
 @dataclass(frozen=True)
@@ -60,38 +61,47 @@ class Neuron:
 
 @torch.no_grad()
 def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_output: float = 10.0) -> list[Neuron]:
-    """The MLP neurons of `model` that write massive activations at position 0, measured on `batches` of ids."""
+    """The MLP neurons of `model` that write massive activations at position 0, measured on `batches` of ids.
+
+    Per neuron: the mean |activation| at position 0, and the largest over batches of the 99th
+    percentile at the other positions (statistics per batch: memory does not grow with the batches).
+    """
     arch = architecture(model)
-    acts: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
-    outs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
+    first: dict[int, torch.Tensor] = {}
+    elsewhere: dict[int, torch.Tensor] = {}
+    outputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
 
     def keep(layer):
         def hook(module, args, output):
-            acts[layer].append(args[0].detach().float().abs())
-            outs[layer].append(output.detach().float().norm(dim=-1))
+            a = args[0].detach().float().abs()
+            rest = a[:, 1:].flatten(0, 1)
+            q99 = rest.kthvalue(max(1, math.ceil(0.99 * rest.shape[0])), dim=0).values
+            first[layer] = first.get(layer, 0) + a[:, 0].sum(0)
+            elsewhere[layer] = torch.maximum(elsewhere.get(layer, q99), q99)
+            outputs[layer].append(output.detach().float()[:, 1:].norm(dim=-1).flatten())
         return hook
 
     hooks = [model.get_submodule(arch.neurons(i)[1]).register_forward_hook(keep(i)) for i in range(arch.n_layers)]
     was_training = model.training
     model.eval()
+    sequences = 0
     try:
         for input_ids in batches:
             model(input_ids=input_ids, use_cache=False)
+            sequences += input_ids.shape[0]
     finally:
         for h in hooks:
             h.remove()
         model.train(was_training)
     found = []
     for layer in range(arch.n_layers):
-        a = torch.cat(acts[layer])  # (sequences, positions, neurons)
-        first, rest = a[:, 0].mean(0), a[:, 1:].flatten(0, 1)
-        elsewhere = torch.quantile(rest, 0.99, dim=0) if rest.shape[0] > 1 else rest.amax(0)
-        typical = torch.cat(outs[layer])[:, 1:].median().clamp_min(1e-12)
+        mean_first = first[layer] / sequences
+        typical = torch.cat(outputs[layer]).median().clamp_min(1e-12)
         weight = _neuron_weights(model.get_submodule(arch.neurons(layer)[1]), arch.conv1d, output=True)
-        out_ratio = first * weight.norm(dim=0) / typical
-        chosen = (first >= ratio * elsewhere.clamp_min(1e-12)) & (out_ratio >= min_output)
+        out_ratio = mean_first * weight.detach().float().norm(dim=0) / typical
+        chosen = (mean_first >= ratio * elsewhere[layer].clamp_min(1e-12)) & (out_ratio >= min_output)
         for j in chosen.nonzero().flatten().tolist():
-            found.append(Neuron(layer, j, float(first[j]), float(elsewhere[j]), float(out_ratio[j])))
+            found.append(Neuron(layer, j, float(mean_first[j]), float(elsewhere[layer][j]), float(out_ratio[j])))
     return found
 
 

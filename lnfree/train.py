@@ -302,16 +302,17 @@ def _stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Pa
 
 
 def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Path, resume: bool, main: bool) -> Damping | None:
-    """The massive-neuron damping of a removal run (None without one): neurons found on the first
-    step's batches of process 0 (the same on every process) and recorded in the run folder, or read
-    back from it on resume."""
+    """The massive-neuron damping of a removal run (None without one): neurons found on process 0's
+    first `sigma_init_batches` micro-batches (the same on every process) and recorded in the run
+    folder, or read back from it on resume."""
     massive = config.removal.massive_neurons
     if massive is None or config.removal.mode != "remove":
         return None
     if resume:
         return Damping.load(massive, out)
     device = next(model.parameters()).device
-    probe = (batches.get(0, i % batches.accumulation, 0).to(device) for i in range(config.train.sigma_init_batches))
+    probe = (batches.get(i // batches.accumulation, i % batches.accumulation, 0).to(device)
+             for i in range(config.train.sigma_init_batches))
     damping = Damping(massive, find_massive_neurons(model, probe, massive.ratio, massive.min_output))
     if main:
         damping.save(out)
