@@ -60,6 +60,10 @@ class TrainConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     aux_loss_weight: float = Field(0.1, ge=0)
+    scale_loss_weight: float = Field(
+        0.0, ge=0, description="auxiliary loss on every norm input: mean over norms of mean over tokens of "
+        "(per-token scale / typical scale − 1)², typical = the mean over tokens neither at position 0 nor EOT; 0 is off"
+    )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
         "student) per token; 0 is off"

@@ -5,9 +5,8 @@ Modern LLMs put a *massive activation* (Sun et al. 2024, arXiv 2402.17762) on th
 SmolLM2-135M's residual stream at position 0 is ~1,000 RMS against 6–30 elsewhere. A real norm
 divides it away; a fixed σ cannot, and the token explodes through the gated MLPs
 (`experiments/results/smollm2-135m/`). The activation is written by very few MLP neurons that fire
-almost only there (SmolLM2: two neurons of block 11 at ~3,000 and ~1,000 at position 0, ≤ 2.2 on
-every other token; the repeated tokens that sometimes turn massive at positions 1–2 fire the same
-neurons) and partly erased by a few later ones.
+almost only there (SmolLM2: two neurons of block 11 at ~3,000 and ~1,000 at position 0, below 1 on
+99 % of the other tokens) and partly erased by a few later ones (SmolLM2: one of block 28).
 
 `find_massive_neurons` picks the neurons whose mean |activation| at position 0 is at least `ratio`×
 their 99th percentile over the other positions (the largest over the measured batches) and whose output there is at least `min_output`× the
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.arch import architecture
+from lnfree.arch.norms import second_moment
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"
@@ -252,3 +252,50 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
         hook.remove()
     return seen[0]
 
+
+
+class NormInputs:
+    """Keeps every norm's input of the latest forward pass (forward pre-hooks on the norm modules).
+
+    `clear()` before a forward, `take()` after it: a gradient-checkpointing recompute during the
+    backward pass adds its inputs again, and the next `clear()` drops them.
+    """
+
+    def __init__(self, model: nn.Module):
+        arch = architecture(model)
+        self.values: list[torch.Tensor] = []
+        self.handles = [model.get_submodule(site.module).register_forward_pre_hook(self._keep)
+                        for site in arch.sites() if not site.per_head]
+
+    def _keep(self, module: nn.Module, args: tuple) -> None:
+        self.values.append(args[0])
+
+    def clear(self) -> None:
+        self.values = []
+
+    def take(self) -> list[torch.Tensor]:
+        """The inputs seen since `clear()`, in forward order."""
+        values, self.values = self.values, []
+        return values
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str) -> torch.Tensor:
+    """Mean over norm inputs of the mean over tokens of (per-token scale / typical scale − 1)².
+
+    The scale is the norm's own (std for LayerNorm, RMS for RMSNorm); typical = its detached mean
+    over the tokens neither at position 0 nor EOT. Relative, so every norm counts alike whatever its
+    scale: it pulls outlier tokens (and position 0) towards the typical scale at every norm input,
+    where the published auxiliary loss acts at the final norm only.
+    """
+    typical = input_ids != eot_token_id
+    typical[:, 0] = False
+    total = torch.zeros((), device=input_ids.device)
+    for x in inputs:
+        scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12)
+        target = (scale * typical).sum() / typical.sum().clamp_min(1)
+        total = total + ((scale / target.detach() - 1) ** 2).mean()
+    return total / max(1, len(inputs))

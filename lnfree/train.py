@@ -38,7 +38,7 @@ from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
 from lnfree.distill import kl_to_teacher, load_teacher
-from lnfree.massive import Damping, find_massive_neurons, massive_scales
+from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss
 from lnfree.models import load_base
 from lnfree.plan import describe_run
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
@@ -535,6 +535,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             _truncate_log(log_path, start_step)
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
+    norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 else None
     eps = arch.eps
     distill, alpha = teacher is not None, train.distill_alpha
     pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, grad_norm), read once per log interval
@@ -552,11 +553,13 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = torch.zeros(4, device=accelerator.device)
+        totals = torch.zeros(5, device=accelerator.device)
         for micro in range(accumulation):
             input_ids = loader.get(step, micro)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
+                if norm_inputs is not None:
+                    norm_inputs.clear()
                 with autocast():
                     output = model(input_ids=input_ids, labels=input_ids, use_cache=False)  # no KV cache to build
                 ce = output.loss
@@ -566,9 +569,12 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                     with torch.no_grad(), autocast():
                         target = teacher(input_ids=input_ids, use_cache=False).logits
                     kl = kl_to_teacher(output.logits, target, train.distill_temperature)
-                loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux
+                spread = torch.zeros_like(ce)
+                if norm_inputs is not None:
+                    spread = scale_loss(norm_inputs.take(), input_ids, data.eot_token_id, arch.norm_kind)
+                loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 accelerator.backward(loss / accumulation)
-            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach()]) / accumulation
+            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach(), spread.detach()]) / accumulation
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -585,9 +591,11 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if done % train.log_every == 0 or done == train.max_steps:
             values = torch.stack(pending).mean(0).tolist()
             pending.clear()
-            record = dict(zip(("loss", "ce", "aux", "kl", "grad_norm"), values))
+            record = dict(zip(("loss", "ce", "aux", "kl", "scale", "grad_norm"), values))
             if not distill:
                 del record["kl"]
+            if norm_inputs is None:
+                del record["scale"]
             record.update(step=done, lr=lr, tokens=done * train.tokens_per_step,
                           seconds=round(seconds_before + time.perf_counter() - started, 2))
             log(record)
@@ -600,6 +608,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
                              "timeline": timeline.state_dict()})
     lnf_input.handle.remove()
+    if norm_inputs is not None:
+        norm_inputs.remove()
     if damping is not None:  # the last optimiser step's momentum moved the zeroed neurons
         damping.apply(bare, train.max_steps)
 

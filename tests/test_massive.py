@@ -171,3 +171,42 @@ def test_resume_during_damping_is_exact_and_the_config_round_trips(run_config, p
     shutil.rmtree(moved / "checkpoints" / "step_000024")
     with pytest.raises(FileNotFoundError, match=NEURONS_FILE):
         run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)
+
+
+def test_scale_loss_is_zero_at_the_typical_scale_and_pulls_outliers_in():
+    from lnfree.massive import scale_loss
+
+    ids = torch.tensor([[5, 6, 7, 0, 8]])  # position 0 and the EOT (id 0) are not typical
+    x = torch.randn(1, 5, 16)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # every token at RMS 1
+    assert float(scale_loss([x], ids, 0, "rms")) == pytest.approx(0, abs=1e-6)
+    outlier = x.clone()
+    outlier[0, 2] *= 3  # one typical token at 3×: the typical mean becomes 5/3
+    outlier.requires_grad_(True)
+    loss = scale_loss([outlier, x], ids, 0, "rms")
+    scales = torch.tensor([1, 1, 3, 1, 1]) / (5 / 3)
+    assert float(loss.detach()) == pytest.approx(float(((scales - 1) ** 2).mean()) / 2, rel=1e-5)
+    loss.backward()
+    assert float((outlier.grad[0, 2] * outlier[0, 2]).sum()) > 0  # descent shrinks the outlier
+
+
+def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_path):
+    from lnfree.massive import NormInputs, scale_loss
+
+    base = with_overrides(run_config(max_steps=12, learning_rate=1e-3, eval_every=0),
+                          {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 11}]}})
+    plain = run(base, progress=False)
+    pulled = run(with_overrides(base, {"train.scale_loss_weight": 1.0, "output_dir": str(tmp_path / "pulled")}),
+                 progress=False)
+    records = [json.loads(line) for line in (pulled.output_dir / "log.jsonl").read_text().splitlines()]
+    assert all(r["scale"] > 0 for r in records if "loss" in r)
+    ids = first_token_ids(plain.model.config.vocab_size)
+
+    def spread(model) -> float:
+        inputs = NormInputs(model)
+        with torch.no_grad():
+            model(input_ids=ids)
+        inputs.remove()
+        return float(scale_loss(inputs.take(), ids, 0, "layer"))
+
+    assert spread(pulled.model) < 0.8 * spread(plain.model)  # measured 0.60×
