@@ -9,8 +9,9 @@ sequences find the neurons, as a run's σ-initialisation batches do):
 2. Their output scaled by s, no fine-tuning, every norm real: held-out CE and the position-0 and
    outlier scales at the norm inputs (`lnfree.massive.massive_scales`).
 3. The ln_2 norms fixed one after another from block 29 down, no fine-tuning (σ measured on the
-   training sequences): held-out CE and the largest residual norm, on the original model and (with
-   --run) on the run's checkpoint where the damping has just ended, before any norm is fixed.
+   training sequences): held-out CE, the largest residual norm and the training token that grows
+   the most (its path through the blocks), on the original model and (with --run) on the run's
+   checkpoint where the damping has just ended, before any norm is fixed.
 4. With --run: held-out CE and the position-0 / outlier scales at every evaluation of the run (its
    log), as a table and a figure.
 Writes results.json, tables.md and scales_over_training.{csv,html} to --out.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,8 +58,21 @@ def damped_without_training(model, neurons, tokens) -> list[dict]:
     return rows
 
 
-def ln2_fixed_top_down(model, train: torch.Tensor, tokens: torch.Tensor) -> list[dict]:
-    """Fix every ln_2 from the last block down, one at a time, without fine-tuning."""
+@torch.no_grad()
+def worst_token(model, tokenizer, tokens: torch.Tensor) -> dict:
+    """The token whose residual norm (over the median token's, per block input) grows the most, and its path."""
+    states = model(input_ids=tokens, output_hidden_states=True).hidden_states[:-1]
+    norms = torch.stack([h.float().norm(dim=-1) for h in states])  # (blocks, sequences, positions)
+    ratios = norms / norms[:, :, 1:].flatten(1).median(dim=1).values[:, None, None]
+    peak = torch.nan_to_num(ratios, nan=float("inf"))[:, :, 1:].amax(0)
+    sequence, position = divmod(int(peak.argmax()), peak.shape[1])
+    position += 1
+    return {"text": tokenizer.decode(tokens[sequence, max(0, position - 3):position + 1]), "position": position,
+            "ratio_by_block": [round(float(r), 1) for r in ratios[:, sequence, position]]}
+
+
+def ln2_fixed_top_down(model, tokenizer, train: torch.Tensor, tokens: torch.Tensor) -> list[dict]:
+    """Fix every ln_2 from the last block down, one at a time, without fine-tuning (until the CE is not finite)."""
     if not surgery.is_installed(model):
         surgery.install(model)
     surgery.initialise_sigmas(model, train.split(8))
@@ -66,7 +81,8 @@ def ln2_fixed_top_down(model, train: torch.Tensor, tokens: torch.Tensor) -> list
     for layer in reversed(range(architecture(model).n_layers)):
         states[f"blocks.{layer}.ln_2"].switch_to_fake()
         row = score(model, tokens)
-        rows.append({"fixed_down_to": layer, **{k: row[k] for k in ("held_out_ce", "largest_residual_norm")}})
+        rows.append({"fixed_down_to": layer, **{k: row[k] for k in ("held_out_ce", "largest_residual_norm")},
+                     "worst_token": worst_token(model, tokenizer, train)})
         if not torch.isfinite(torch.tensor(row["held_out_ce"])):
             break
     return rows
@@ -113,9 +129,22 @@ def figure(rows: list[dict], out: Path) -> None:
     write_figure(fig, out, "scales_over_training")
 
 
+def _runaway(rows: list[dict]) -> list[str]:
+    """The fastest-growing token's path, in the last finite state and (if it diverged) one block further."""
+    def path(row: dict) -> str:
+        worst = row["worst_token"]
+        return (f"ln_2 fixed down to block {row['fixed_down_to']}: {worst['text']!r} (position {worst['position']}), "
+                "residual norm over the median token's entering each block: "
+                + " ".join(str(v) for v in worst["ratio_by_block"]))
+
+    diverged = not math.isfinite(rows[-1]["held_out_ce"])
+    shown = rows[-2:] if diverged and len(rows) > 1 else rows[-1:]
+    return ["", "The training token that grows the most:", ""] + [f"- {path(row)}" for row in shown]
+
+
 def tables(result: dict) -> str:
-    lines = ["| min_output | neurons (block.neuron: mean |activation| at position 0 / 99th percentile elsewhere, "
-             "output over the median MLP output) |", "|---|---|"]
+    lines = ["| min_output | neurons (block.neuron: mean absolute activation at position 0 / its 99th percentile "
+             "elsewhere, output over the median MLP output) |", "|---|---|"]
     for threshold, found in result["neurons"].items():
         cells = ", ".join(f"{n['layer']}.{n['index']}: {n['position0']:.0f} / {n['elsewhere']:.2f}, "
                           f"{n['output_ratio']:.0f}×" for n in found)
@@ -130,6 +159,7 @@ def tables(result: dict) -> str:
                       "| fixed down to block | held-out CE | largest residual norm |", "|---|---|---|"]
             lines += [f"| {r['fixed_down_to']} | {r['held_out_ce']:.3f} | {r['largest_residual_norm']:,.0f} |"
                       for r in result["ln2_top_down"][key]]
+            lines += _runaway(result["ln2_top_down"][key])
     if "over_training" in result:
         lines += ["", "Over the run (its evaluations):", "",
                   "| step | norms switched | held-out CE | position 0 scale | outlier scale |", "|---|---|---|---|---|"]
@@ -152,11 +182,11 @@ def main() -> None:
     neurons = {threshold: find_massive_neurons(model, train.split(4), min_output=threshold) for threshold in (10.0, 3.0)}
     result = {"neurons": {str(k): [asdict(n) for n in v] for k, v in neurons.items()},
               "damped_without_training": damped_without_training(model, neurons[3.0], held_out),
-              "ln2_top_down": {"original": ln2_fixed_top_down(model, train, held_out)}}
+              "ln2_top_down": {"original": ln2_fixed_top_down(model, tokenizer, train, held_out)}}
     if args.run is not None:
         checkpoint = end_of_damping_checkpoint(args.run)
         damped, _, _ = load_checkpoint(checkpoint)
-        result["ln2_top_down"]["end_of_damping"] = ln2_fixed_top_down(damped, train, held_out)
+        result["ln2_top_down"]["end_of_damping"] = ln2_fixed_top_down(damped, tokenizer, train, held_out)
         result["end_of_damping_checkpoint"] = str(checkpoint)
         result["over_training"] = scales_over_training(args.run)
     args.out.mkdir(parents=True, exist_ok=True)
