@@ -50,8 +50,8 @@ models=(smollm2-135m "$runs/$stage-vanilla" "$runs/$stage")
 [[ $stage == ln_free ]] && models[2]=$runs/ln_free/export
 labels=(original vanilla "$stage")
 run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" "${eval_args[@]}" --out "$out/eval"
+run "$out/verify" lnfree verify "${models[2]}" --out "$out/verify.json"  # the run folder of a partial removal
 if [[ $stage == ln_free ]]; then
-  run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
   run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
     --out "$out/analysis"
 else  # with real norms inside the blocks, DLA (final norm fixed) and the residual statistics are what is exact
