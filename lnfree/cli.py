@@ -203,9 +203,12 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
             if surgery.is_fully_removed(result.model):
                 summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
             else:  # a plain model has one eps for every norm: only the run's checkpoints hold a partial removal
-                fixed = sum(s.is_fake for s in surgery.scale_states(result.model).values())
-                summary["partial"] = (f"{fixed} of {len(surgery.scale_states(result.model))} norms fixed: no plain "
-                                      f"export; lnfree.load, verify, eval and analyze read the run folder {out}")
+                states = surgery.scale_states(result.model).values()
+                fixed = sum(s.is_fake for s in states)
+                what = (f"{fixed} of {len(states)} norms fixed" if fixed < len(states)
+                        else "every norm fixed but a special σ still active")
+                summary["partial"] = (f"{what}: no plain export; lnfree.load, verify, eval and analyze read the run "
+                                      f"folder {out}")
             summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     typer.echo("\n".join(_summary_lines(summary)))

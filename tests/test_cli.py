@@ -182,3 +182,20 @@ def test_verify_writes_its_report_only_where_asked(tiny_ln_free_export, tmp_path
     assert list(tmp_path.iterdir()) == [] and "Loading weights" not in result.output
     result = runner.invoke(app, ["verify", str(tiny_ln_free_export), "--tolerance", "1e-2", "--out", "report.json"])
     assert result.exit_code == 0 and json.loads((tmp_path / "report.json").read_text())["ok"]
+
+
+def test_remove_with_only_the_final_norm_keeps_the_run_folder_and_says_so(run_config, tmp_path):
+    from lnfree.load import load
+
+    from lnfree.config import with_overrides
+
+    config = with_overrides(run_config(max_steps=6), {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 3}]}})
+    path = tmp_path / "lnf.json"
+    path.write_text(config.model_dump_json())
+    result = runner.invoke(app, ["remove", "--config", str(path), "--no-control"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "export" not in summary and summary["partial"].startswith("1 of 7 norms fixed")
+    assert "partial removal: 1 of 7 norms fixed" in result.output and not (tmp_path / "run" / "export").exists()
+    loaded = load(str(tmp_path / "run"))
+    assert [name for name, norm in loaded.norms.items() if norm["fixed"]] == ["ln_f"]
