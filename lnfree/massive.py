@@ -291,11 +291,16 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     scale: it pulls outlier tokens (and position 0) towards the typical scale at every norm input,
     where the published auxiliary loss acts at the final norm only.
     """
-    typical = input_ids != eot_token_id
-    typical[:, 0] = False
     total = torch.zeros((), device=input_ids.device)
     for x in inputs:
         scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12)
-        target = (scale * typical).sum() / typical.sum().clamp_min(1)
-        total = total + ((scale / target.detach() - 1) ** 2).mean()
+        total = total + ((scale / typical_scale(scale, input_ids, eot_token_id) - 1) ** 2).mean()
     return total / max(1, len(inputs))
+
+
+def typical_scale(scale: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:
+    """The detached mean of per-token `scale` (batch, positions) over the tokens neither at position 0
+    nor EOT: the target of the auxiliary losses (DESIGN.md §1)."""
+    typical = input_ids != eot_token_id
+    typical[:, 0] = False
+    return ((scale * typical).sum() / typical.sum().clamp_min(1)).detach()

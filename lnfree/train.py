@@ -38,7 +38,7 @@ from lnfree.arch.norms import second_moment
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
 from lnfree.distill import kl_to_teacher, load_teacher
-from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss
+from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
 from lnfree.plan import describe_run
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
@@ -187,10 +187,7 @@ def auxiliary_loss(
     (DESIGN.md §1); the loss covers every token, pulling the outliers towards the target.
     """
     std = torch.sqrt(second_moment(resid.float(), kind) + eps)
-    typical = input_ids != eot_token_id
-    typical[:, 0] = False
-    target = (std * typical).sum() / typical.sum().clamp_min(1)
-    return ((std - target.detach()) ** 2).mean()
+    return ((std - typical_scale(std, input_ids, eot_token_id)) ** 2).mean()
 
 
 @torch.no_grad()
