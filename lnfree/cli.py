@@ -253,6 +253,11 @@ def schedule(
         m = removal.massive_neurons
         typer.echo(f"massive-activation neurons (found as the run starts): output damped from 1 to {m.floor:g} over "
                    f"steps {m.start}–{m.start + m.steps - 2}, zeroed at step {m.start + m.steps - 1}")
+    if removal.scale_ceiling is not None:
+        c = removal.scale_ceiling
+        release = c.release_at(cfg.train.max_steps)
+        typer.echo(f"scale ceiling: no token leaves a fixed norm above {c.ratio:g}× its σ until step {release}; "
+                   f"released over steps {release}–{release + c.release_steps - 1}")
     if removal.blend_steps > 1:
         typer.echo(f"gradual: each removal blends into its fixed σ over {removal.blend_steps} steps")
     if removal.adaptive:

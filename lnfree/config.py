@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lnfree.ceiling import ScaleCeiling
 from lnfree.massive import MassiveNeurons
 from lnfree.schedule import Adaptive, Schedule
 
@@ -109,6 +110,9 @@ class RemovalConfig(_Strict):
     adaptive: Adaptive | None = Field(None, description="time removals by the training loss instead of fixed gaps")
     massive_neurons: MassiveNeurons | None = Field(
         None, description="first damp out the MLP neurons that write massive activations (lnfree.massive)"
+    )
+    scale_ceiling: ScaleCeiling | None = Field(
+        None, description="while training, no token leaves a fixed norm above ratio × σ (lnfree.ceiling)"
     )
 
 

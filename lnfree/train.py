@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.arch.norms import second_moment
+from lnfree.ceiling import set_ceiling
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
 from lnfree.distill import kl_to_teacher, load_teacher
@@ -107,6 +108,11 @@ def resolve_run(
     if massive is not None and massive.start + massive.steps > max_steps:
         raise ScheduleError(f"the massive-neuron damping ends at step {massive.start + massive.steps - 1}, but the run "
                             f"ends after {max_steps} steps")
+    ceiling = removal.scale_ceiling
+    if ceiling is not None and not 0 <= ceiling.release_at(max_steps) <= max_steps - ceiling.release_steps:
+        raise ScheduleError(f"the scale ceiling's release (steps {ceiling.release_at(max_steps)}–"
+                            f"{ceiling.release_at(max_steps) + ceiling.release_steps - 1}) must lie within the "
+                            f"run's {max_steps} steps")
     events = schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
     if latest >= max_steps:
         raise ScheduleError(f"the last removal can end at step {latest} (adaptive max_gap and blend_steps "
@@ -533,6 +539,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
     norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 else None
+    ceiling, ceiling_now = (config.removal.scale_ceiling if removing else None), -1.0
     eps = arch.eps
     distill, alpha = teacher is not None, train.distill_alpha
     pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, grad_norm), read once per log interval
@@ -547,6 +554,11 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                 log(_event_record(event, bare))
         if damping is not None and (factor := damping.apply(bare, step)) is not None:
             log({"event": "damp_massive_neurons", "step": step, "factor": factor})
+        if ceiling is not None and (bound := ceiling.at(step, train.max_steps)) != ceiling_now:
+            set_ceiling(bare, bound)
+            if ceiling_now == -1 or math.isinf(bound):
+                log({"event": "scale_ceiling", "step": step, "ceiling": "none" if math.isinf(bound) else bound})
+            ceiling_now = bound
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -598,8 +610,14 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             log(record)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            log({"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored,
-                 **scales()})
+            record = {"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored,
+                      **scales()}
+            if ceiling is not None and not math.isinf(ceiling_now):  # what the model is without its guard
+                set_ceiling(bare, math.inf)
+                record.update(held_out_ce_unguarded=eval_ce().item(),
+                              **{f"{k}_unguarded": v for k, v in scales().items()})
+                set_ceiling(bare, ceiling_now)
+            log(record)
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
@@ -609,6 +627,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         norm_inputs.remove()
     if damping is not None:  # the last optimiser step's momentum moved the zeroed neurons
         damping.apply(bare, train.max_steps)
+    if ceiling is not None:
+        set_ceiling(bare, math.inf)
 
     ce_end = eval_ce().item()
     seconds = round(seconds_before + time.perf_counter() - started, 2)

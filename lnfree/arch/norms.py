@@ -22,6 +22,7 @@ mirror so the forward pass can branch without reading a device tensor (no host s
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -193,6 +194,9 @@ class ScaleState(nn.Module):
         self._pending_numel = 0
         self.context: TokenContext | None = None
         self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
+        # A training-time guard (lnfree.ceiling), never saved: a fixed or blending norm divides by at
+        # least (real per-token scale) / ceiling, so no token leaves a fixed norm above `ceiling`× σ.
+        self.ceiling = math.inf
         self._refresh_mirrors()
 
     # ----- Python mirrors of the flag buffers (read without a device sync) -----
@@ -269,6 +273,11 @@ class ScaleState(nn.Module):
     @property
     def wants_context(self) -> bool:
         return self.pos0_on or self.eot_on
+
+    @property
+    def guarded(self) -> bool:
+        """True when a finite ceiling bounds this fixed (or blending) norm's output per token."""
+        return self.ceiling != math.inf and (self.is_fake or self.is_blending)
 
     @property
     def gathering(self) -> bool:
@@ -394,6 +403,8 @@ class ScaleState(nn.Module):
         if not self.is_fake:
             return real_norm(x, self.kind, weight, bias, self.eps)
         sigma = self.token_sigma(x.shape[:-1])
+        if self.guarded:
+            sigma = self._under_ceiling(x, sigma)
         if self.kind == "rms":
             return rms_times(x, weight, sigma)
         if sigma.dim() == 0:  # one σ for every token: fold it into the weight vector
@@ -405,8 +416,16 @@ class ScaleState(nn.Module):
         h = x.float()
         real = torch.sqrt(second_moment(h, self.kind) + self.eps).unsqueeze(-1)
         scale = self.mix * real + (1 - self.mix) * self.token_sigma(x.shape[:-1])
+        if self.guarded:
+            scale = torch.maximum(scale, real / self.ceiling)
         out = (centre(h, self.kind) / scale).to(x.dtype) * weight
         return out if bias is None else out + bias
+
+    def _under_ceiling(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """Per-token divisor max(σ, real scale / ceiling), shape (..., 1): below the ceiling the fixed
+        norm exactly; above it, the real norm times the ceiling (gradient included)."""
+        real = torch.sqrt(second_moment(x.float(), self.kind) + self.eps).unsqueeze(-1)
+        return torch.maximum(sigma, real / self.ceiling)
 
 
 class FixedScaleNorm(nn.Module):
@@ -462,7 +481,8 @@ class SplitNorm(nn.Module):
         qk, v = self.qk, self.v
         if not (qk.is_fake or qk.is_blending or v.is_fake or v.is_blending):
             return "real"
-        if qk.is_fake and v.is_fake and not qk.wants_context and not v.wants_context:
+        plain = not (qk.wants_context or v.wants_context or qk.guarded or v.guarded)
+        if qk.is_fake and v.is_fake and plain:
             return "fixed"
         return "split"
 
