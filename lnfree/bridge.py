@@ -270,6 +270,7 @@ def _pass_through_bridge(model: nn.Module, tokenizer: Any) -> Any:
 
     _attach_tokenizer(bridge, tokenizer)
     bridge.lnfree_norm_kind = arch.norm_kind
+    bridge.lnfree_norm_weight_offset = arch.norm_weight_offset
     return bridge
 
 
@@ -328,6 +329,7 @@ def bridge_from_layernorm(
         bridge.enable_compatibility_mode(disable_warnings=True, center_unembed=center_unembed)
     _attach_tokenizer(bridge, tokenizer)
     bridge.lnfree_norm_kind = arch.norm_kind
+    bridge.lnfree_norm_weight_offset = arch.norm_weight_offset
     return bridge
 
 
@@ -432,6 +434,12 @@ def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = Fals
         wanted[f"attn{layer}"] = hook_name("result" if per_head else "attn_out", layer)
         wanted[f"mlp{layer}"] = hook_name("mlp_out", layer)
     wanted["final"] = hook_name("ln_final_in")
+    post = per_head and _has_output_norms(bridge)
+    if post:  # a head's share of the attention output goes through the (linearised) output norm
+        for layer in range(n_layers):
+            wanted[f"post_in{layer}"] = f"blocks.{layer}.ln1_post.hook_in"
+            if _is_normalised(bridge):
+                wanted[f"post_scale{layer}"] = f"blocks.{layer}.ln1_post.hook_scale"
     if _is_normalised(bridge):
         wanted["scale"] = hook_name("ln_final_scale")
 
@@ -461,6 +469,8 @@ def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = Fals
     for layer in range(n_layers):
         if per_head:
             result = store[f"attn{layer}"]  # [batch, pos, head, d_model]
+            if post:
+                result = result * _output_norm_factor(bridge, layer, store).unsqueeze(-2)
             parts.extend(result.unbind(-2))
             labels.extend(f"L{layer}H{h}" for h in range(result.shape[-2]))
             b_O = bridge.blocks[layer].attn.b_O
@@ -479,6 +489,43 @@ def residual_decomposition(bridge: Any, input_ids: Any, *, per_head: bool = Fals
         final_scale=store.get("scale"),
         logits=logits.detach(),
     )
+
+
+def norm_weight(bridge: Any, norm: nn.Module) -> Optional[torch.Tensor]:
+    """The weight ``norm`` multiplies by (detached): its parameter, plus the family's offset for a plain
+    norm that stores weight − offset (Gemma's 1 + weight); lnfree's installed norms hold it as it is."""
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return None
+    if isinstance(norm, FixedScaleNorm):
+        return weight.detach()
+    return weight.detach() + getattr(bridge, "lnfree_norm_weight_offset", 0.0)
+
+
+def _has_output_norms(bridge: Any) -> bool:
+    return hasattr(bridge.blocks[0], "ln1_post")
+
+
+def _output_norm_factor(bridge: Any, layer: int, store: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per token, what block ``layer``'s attention-output norm multiplies each channel by, [batch, pos,
+    d_model] (or [d_model]): weight / scale. Exact for a fixed norm or an identity (folded); for a real
+    norm, the linearisation at the run's own scale (as the final norm's in DLA)."""
+    norm = bridge.blocks[layer].ln1_post.original_component
+    x = store[f"post_in{layer}"]
+    if isinstance(norm, nn.Identity):
+        return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    weight = norm_weight(bridge, norm).to(x.dtype)
+    if f"post_scale{layer}" in store:
+        return weight / store[f"post_scale{layer}"]
+    if isinstance(norm, FixedScaleNorm):
+        if norm.state.is_fake and not norm.state.wants_context:
+            return weight / norm.state.sigma.to(x.dtype)
+        if norm.state.is_fake or norm.state.is_blending:
+            raise ValueError(f"block {layer}'s attention-output norm has a per-token σ: no per-head split")
+        eps = norm.state.eps
+    else:
+        eps = norm_eps(norm)
+    return weight / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def direct_logit_attribution(
@@ -508,7 +555,7 @@ def direct_logit_attribution(
     if decomposition.final_scale is None:
         raise ValueError("the decomposition has no final LayerNorm scale but the bridge normalises")
     norm = bridge.ln_final.original_component
-    weight = norm.weight.detach() if getattr(norm, "weight", None) is not None else None
+    weight = norm_weight(bridge, norm)
     bias = norm.bias.detach() if getattr(norm, "bias", None) is not None else None
     centred = comps - comps.mean(-1, keepdim=True) if is_layernorm(bridge) else comps
     normed = centred / decomposition.final_scale

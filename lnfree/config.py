@@ -65,6 +65,9 @@ class TrainConfig(_Strict):
         0.0, ge=0, description="auxiliary loss on every norm input: mean over norms of mean over tokens of "
         "(per-token scale / typical scale − 1)², typical = the mean over tokens neither at position 0 nor EOT; 0 is off"
     )
+    scale_loss_form: Literal["relative", "log"] = Field(
+        "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
+    )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
         "student) per token; 0 is off"

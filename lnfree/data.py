@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lnfree.arch import architecture
 from lnfree.config import DataConfig
 
 CACHE_FORMAT = 2
@@ -199,15 +200,35 @@ class TokenData:
         return torch.from_numpy(self.held_out[:n_sequences].astype(np.int64))
 
 
-def _as_sequences(stream: np.ndarray, context: int, what: str) -> np.ndarray:
-    n = len(stream) // context
+def bos_token(model_or_config, tokenizer) -> int | None:
+    """The token every sequence must start with for this model (its family's rule), else None."""
+    if not architecture(model_or_config).prepends_bos:
+        return None
+    if tokenizer.bos_token_id is None:
+        raise DataError("this model's sequences must start with a BOS token, but its tokenizer has none")
+    return int(tokenizer.bos_token_id)
+
+
+def prepend_bos(sequences: np.ndarray, bos_token_id: int) -> np.ndarray:
+    """(n, c) sequences → (n, c + 1), each starting with `bos_token_id`."""
+    first = np.full((len(sequences), 1), bos_token_id, dtype=sequences.dtype)
+    return np.concatenate([first, np.asarray(sequences)], axis=1)
+
+
+def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int | None = None) -> np.ndarray:
+    """The stream cut into (n, context) sequences; with a BOS token, context − 1 tokens after it (in memory)."""
+    length = context if bos_token_id is None else context - 1
+    n = len(stream) // length
     if n < 1:
         raise DataError(f"the {what} data holds {len(stream)} tokens, fewer than one sequence of {context}")
-    return stream[: n * context].reshape(n, context)
+    sequences = stream[: n * length].reshape(n, length)
+    return sequences if bos_token_id is None else prepend_bos(sequences, bos_token_id)
 
 
-def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int) -> TokenData:
-    """Load (from cache when possible) the train and held-out sequences for `config`."""
+def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int,
+                 bos_token_id: int | None = None) -> TokenData:
+    """Load (from cache when possible) the train and held-out sequences for `config` (each starting with
+    `bos_token_id` when given: see `bos_token`)."""
     eot = tokenizer.eos_token_id
     if eot is None:
         raise DataError("the tokenizer has no eos (EOT) token to separate documents")
@@ -222,7 +243,8 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
         cut = len(stream) - max(context_length, int(len(stream) * config.val_fraction))
         stats = {name: {"tokens": len(part), "documents": None, "eot": int(np.count_nonzero(part == eot))}
                  for name, part in (("train", stream[:cut]), ("held_out", stream[cut:]))}
-        return _token_data(stream[:cut], stream[cut:], context_length, eot, f"{path} (pre-tokenised)", stats)
+        return _token_data(stream[:cut], stream[cut:], context_length, eot, f"{path} (pre-tokenised)", stats,
+                           bos_token_id)
     key_fields = {
         "format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
         **config.model_dump(include={"source", "document_separator", "revision", "split", "text_field",
@@ -249,10 +271,12 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
     }
     if int(streams["train"].max(initial=0)) >= vocab_size:
         raise DataError(f"token ids reach {int(streams['train'].max())}, beyond the model's vocabulary ({vocab_size})")
-    return _token_data(streams["train"], streams["held_out"], context_length, eot, config.source, meta["stats"])
+    return _token_data(streams["train"], streams["held_out"], context_length, eot, config.source, meta["stats"],
+                       bos_token_id)
 
 
-def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int, source: str, stats: dict) -> TokenData:
+def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int, source: str, stats: dict,
+                bos_token_id: int | None = None) -> TokenData:
     """Cut both streams into sequences, describe them and warn when EOT is unusually frequent."""
     parts = []
     for name, s in stats.items():
@@ -267,8 +291,10 @@ def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int,
             "split too finely (a .txt file is one document unless data.document_separator is set)",
             stats["train"]["tokens"] / eots,
         )
-    return TokenData(_as_sequences(train, context, "train"), _as_sequences(held_out, context, "held-out"), eot,
-                     description, stats)
+    if bos_token_id is not None:
+        description += f", each sequence {context - 1} tokens after BOS"
+    return TokenData(_as_sequences(train, context, "train", bos_token_id),
+                     _as_sequences(held_out, context, "held-out", bos_token_id), eot, description, stats)
 
 
 class StepBatches:

@@ -228,13 +228,19 @@ def _hub_rows(spec: DatasetSpec):
 
 def load_sequences(
     spec: DatasetSpec, tokenizer, *, context: int, n_sequences: int | None, vocab_size: int,
-    cache_dir: str | None = None, progress: bool = False,
+    cache_dir: str | None = None, progress: bool = False, bos_token_id: int | None = None,
 ) -> np.ndarray:
     """The first `n_sequences` sequences of `context` tokens of a dataset, (n, context) int64 (deterministic).
 
     Hub sets are streamed (except ``owt-val``, whose split needs the whole dataset) and the tokens
-    cached under ``~/.cache/lnfree/eval``. `n_sequences` None takes every full sequence.
+    cached under ``~/.cache/lnfree/eval``. `n_sequences` None takes every full sequence. With
+    `bos_token_id` (models that need one: `lnfree.data.bos_token`), each is that token and context − 1 tokens.
     """
+    if bos_token_id is not None:
+        from lnfree.data import prepend_bos
+
+        return prepend_bos(load_sequences(spec, tokenizer, context=context - 1, n_sequences=n_sequences,
+                                          vocab_size=vocab_size, cache_dir=cache_dir, progress=progress), bos_token_id)
     if spec.how == "tiny":
         from lnfree.config import load_preset
         from lnfree.data import prepare_data
@@ -770,6 +776,13 @@ def evaluate_models(
     return EvalReport(dataset or {}, settings, SCORING_CONVENTION, ref, results, pair_results, scores, jsd, by_label)
 
 
+def _bos(model: EvalModel) -> int | None:
+    from lnfree.data import bos_token
+
+    config = getattr(model.module, "config", None)
+    return bos_token(config, model.tokenizer) if config is not None else None
+
+
 def evaluate(
     sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, form: str = "hf",
     dtype: str = "fp32", device: str = "auto", batch_size: int = 8, n_sequences: int | None = None,
@@ -807,7 +820,7 @@ def evaluate(
         if key not in by_fingerprint:
             vocab = min(other.vocab_size for other in models if fingerprints[other.label] == key)
             ids = load_sequences(spec, m.tokenizer, context=context, n_sequences=n_sequences, vocab_size=vocab,
-                                 cache_dir=cache_dir, progress=progress)
+                                 cache_dir=cache_dir, progress=progress, bos_token_id=_bos(m))
             by_fingerprint[key] = torch.from_numpy(ids)
         tokens[m.label] = by_fingerprint[key]
     first = next(iter(by_fingerprint.values()))

@@ -86,7 +86,9 @@ def norm_input_peaks(model: nn.Module, batches) -> dict[str, float]:
 BLENDING = "a norm is part-way through a gradual removal; export once its blend has ended"
 
 
-def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState, eps: float) -> None:
+def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState, eps: float,
+              offset: float = 0.0) -> None:
+    """Write an installed norm (effective `weight`) into the plain `norm`, which multiplies by offset + its weight."""
     if state.wants_context:
         raise ExportError("a special σ (position 0 / EOT) is still active; the eps-trick format cannot hold it")
     if state.is_blending:
@@ -94,10 +96,10 @@ def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, 
     with torch.no_grad():
         if state.is_fake:
             set_norm_eps(norm, eps)
-            norm.weight.copy_(weight.double() * math.sqrt(eps) / state.sigma.double())
+            norm.weight.copy_(weight.double() * math.sqrt(eps) / state.sigma.double() - offset)
         else:
             set_norm_eps(norm, state.eps)
-            norm.weight.copy_(weight)
+            norm.weight.copy_(weight.double() - offset)
         if bias is not None:
             norm.bias.copy_(bias)
 
@@ -156,7 +158,7 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
                 raise ExportError("a special σ (EOT) is still active; the eps-trick format cannot hold it")
             if installed.v.is_blending:
                 raise ExportError(BLENDING)
-        _set_norm(norm, installed.weight, installed.bias, state, eps)
+        _set_norm(norm, installed.weight, installed.bias, state, eps, arch.norm_weight_offset)
         if site.split and state.is_fake:
             _fold_v_ratio(plain, site, installed, arch)
         if state.is_fake:

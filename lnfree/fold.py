@@ -114,7 +114,7 @@ def fold(model: nn.Module) -> nn.Module:
             conv1d = arch.conv1d and consumer.path != arch.unembedding
             original = _in_out(proj, conv1d).detach().clone()
             width = original.shape[1]
-            if site.per_head:  # rows of the producer: (W x + c) per head, times w/σ per head dimension
+            if site.folds_into_producer:  # rows of the producer: (W x + c) (per head), times w/σ per dimension
                 scale = (weight / norm.state.sigma.double()).repeat(width // weight.numel())
                 target = _in_out(proj, conv1d)
                 target.copy_((original.double() * scale[None, :]).to(target.dtype))

@@ -118,7 +118,8 @@ def with_norm_modules(model: nn.Module) -> nn.Module:
         if eps >= EPS_TRICK_THRESHOLD:
             state = ScaleState(arch.eps, arch.norm_kind).to(norm.weight.device)
             state.switch_to_fake()
-            plain.set_submodule(site.module, FixedScaleNorm(norm.weight / math.sqrt(eps), getattr(norm, "bias", None), state))
+            plain.set_submodule(site.module, FixedScaleNorm((norm.weight + arch.norm_weight_offset) / math.sqrt(eps),
+                                                          getattr(norm, "bias", None), state))
     return plain.to(next(model.parameters()).dtype)
 
 

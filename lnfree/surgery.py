@@ -81,7 +81,7 @@ def install(
     for site in arch.sites():
         norm = model.get_submodule(site.module)
         eps = norm_eps(norm)
-        weight, bias = norm.weight, getattr(norm, "bias", None)
+        weight, bias = norm.weight.detach() + arch.norm_weight_offset, getattr(norm, "bias", None)
         device = weight.device
         pos0 = special_pos0 and not site.per_head
         if site.split:

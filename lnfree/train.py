@@ -37,7 +37,7 @@ from lnfree.arch import architecture
 from lnfree.arch.norms import second_moment
 from lnfree.ceiling import set_ceiling
 from lnfree.config import RunConfig, TrainConfig
-from lnfree.data import DeviceBatches, StepBatches, TokenData, prepare_data
+from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
@@ -446,7 +446,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     world = accelerator.num_processes
     micro_batch, accumulation = micro_batches(train, context, world)
     with accelerator.main_process_first():
-        data = prepare_data(config.data, tokenizer, context, model.config.vocab_size)
+        data = prepare_data(config.data, tokenizer, context, model.config.vocab_size, bos_token(model, tokenizer))
     scored = data.scored_tokens(config.data.eval_sequences)
     if scored < config.data.min_held_out_tokens and accelerator.is_main_process:
         logger.warning(
@@ -580,7 +580,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                     kl = kl_to_teacher(output.logits, target, train.distill_temperature)
                 spread = torch.zeros_like(ce)
                 if norm_inputs is not None:
-                    spread = scale_loss(norm_inputs.take(), input_ids, data.eot_token_id, arch.norm_kind)
+                    spread = scale_loss(norm_inputs.take(), input_ids, data.eot_token_id, arch.norm_kind,
+                                        train.scale_loss_form)
                 loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 accelerator.backward(loss / accumulation)
             totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach(), spread.detach()]) / accumulation

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "neox-parallel", "neox-sequential"]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "neox-parallel", "neox-sequential", "gemma3"]
 
 
 def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, eos_token_id: int = 0):
@@ -32,6 +32,10 @@ def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, eos_token_id: 
     elif family.startswith("neox"):
         model = GPTNeoXForCausalLM(GPTNeoXConfig(**common, use_parallel_residual=family == "neox-parallel",
                                                  attention_dropout=0.0, hidden_dropout=0.0))
+    elif family == "gemma3":  # sandwich norms, (1 + weight) RMSNorms, one sliding-window and one global layer
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True))
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -47,7 +47,7 @@ def test_installed_model_equals_the_original_until_switched_and_refuses_save_pre
     assert torch.equal(model(input_ids=x).logits, base(input_ids=x).logits)
     slots = list(surgery.scale_states(model))
     arch = architecture(base)
-    assert slots[-1] == "ln_f" and len(slots) == 3 * arch.n_layers + 1 + (2 * arch.n_layers if family == "qwen3" else 0)
+    assert slots[-1] == "ln_f" and len(slots) == (3 + {"qwen3": 2, "gemma3": 4}.get(family, 0)) * arch.n_layers + 1
     fully_fixed(model, 64)
     assert (model(input_ids=x).logits - base(input_ids=x).logits).abs().max() > 1e-3
     with pytest.raises(TypeError, match="write_export"):
@@ -91,7 +91,7 @@ def test_dla_equals_direct_effect_on_the_ln_free_model_only(family, tokenizer, t
     original = copy.deepcopy(base)
     folder_free = write_export(fully_fixed(surgery.install(base), vocab), tokenizer, tmp_path / "free", {})
     free = dla_and_direct_effect(lnfree.load(folder_free).bridge(), x)
-    assert (free.dla - free.de).abs().max() <= 1e-5
+    assert (free.dla - free.de).abs().max() <= 1e-5 and free.dla.abs().max() > 1e-3
     original_folder = tmp_path / "original"
     original.save_pretrained(original_folder)
     tokenizer.save_pretrained(original_folder)
@@ -123,7 +123,24 @@ def test_qwen3_per_head_norms_are_their_own_stage_after_the_v_paths():
     assert {e.slot for e in events} == {s for site in arch.sites() for s in site.slots}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-sequential"])
+def test_gemma3_output_norms_fold_into_their_producers_and_go_last_and_softcapping_is_refused():
+    from lnfree.schedule import derive_schedule
+
+    model = tiny_family("gemma3")
+    arch = architecture(model)
+    post = [site for site in arch.sites() if site.on_output]
+    assert [(s.stage, s.consumers[0].path.rsplit(".", 2)[-2:]) for s in post[:2]] == [
+        ("post_attn", ["self_attn", "o_proj"]), ("post_mlp", ["mlp", "down_proj"])]
+    kinds = [e.kind for e in derive_schedule(arch.n_layers, stages=arch.stages).events(arch.n_layers)]
+    assert min(i for i, k in enumerate(kinds) if k.startswith("post_")) > max(
+        i for i, k in enumerate(kinds) if k in ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm"))
+    config = copy.deepcopy(model.config)
+    config.final_logit_softcapping = 30.0
+    with pytest.raises(UnsupportedModel, match="final_logit_softcapping"):
+        architecture(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-sequential", "gemma3"])
 def test_every_analysis_runs_on_the_family_through_the_cli(family, tokenizer, tmp_path):
     import json
 
@@ -166,7 +183,7 @@ def family_run_config(family, tokenizer, tmp_path, **train):
     return with_overrides(config, {"removal.schedule": {"stages": stages}})
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-parallel"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-parallel", "gemma3"])
 def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family, tokenizer, tmp_path):
     import json
     import shutil

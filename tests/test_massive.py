@@ -188,6 +188,13 @@ def test_scale_loss_is_zero_at_the_typical_scale_and_pulls_outliers_in():
     assert float(loss.detach()) == pytest.approx(float(((scales - 1) ** 2).mean()) / 2, rel=1e-5)
     loss.backward()
     assert float((outlier.grad[0, 2] * outlier.detach()[0, 2]).sum()) > 0  # descent shrinks the outlier
+    log = scale_loss([outlier, x], ids, 0, "rms", form="log")  # typical: the geometric mean, 3^(1/3)
+    logs = torch.tensor([1, 1, 3, 1, 1]).log() - torch.tensor(3.0).log() / 3
+    assert float(log.detach()) == pytest.approx(float((logs**2).mean()) / 2, rel=1e-5)
+    many = torch.randint(2, 60, (4, 64))
+    runaway = torch.randn(4, 64, 16)
+    runaway[1, 7] *= 1e4  # the log form grows with the log of a runaway token's scale, the relative one with its square
+    assert float(scale_loss([runaway], many, 0, "rms", form="log")) < 1 < float(scale_loss([runaway], many, 0, "rms"))
 
 
 def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_path):

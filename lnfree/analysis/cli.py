@@ -36,7 +36,7 @@ def run_analyses(
     """
     from lnfree.analysis.common import (NotApplicable, analysis_progress, evaluation_tokens, load_models,
                                         quiet_libraries, shared_plotly_js, write_summary)  # fmt: skip
-    from lnfree.data import tokenizer_fingerprint
+    from lnfree.data import bos_token, tokenizer_fingerprint
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
@@ -54,7 +54,8 @@ def run_analyses(
         tokens = None
         if NEEDS_TOKENS & set(names):
             tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
-                                       vocab_size=next(iter(vocab.values())), cache_dir=cache_dir)
+                                       vocab_size=next(iter(vocab.values())), cache_dir=cache_dir,
+                                       bos_token_id=bos_token(models[0].loaded.model, models[0].tokenizer))
         summaries, skipped = {}, {}
         for name in names:
             started = time.perf_counter()

@@ -157,7 +157,7 @@ def load_models(
 
 def evaluation_tokens(
     tokenizer, *, source: str = "tiny", n_sequences: int = 32, length: int = 64, vocab_size: int | None = None,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, bos_token_id: int | None = None,
 ) -> torch.Tensor:
     """The first `n_sequences` sequences of `length` tokens of a dataset (deterministic), as `lnfree eval` reads it.
 
@@ -167,7 +167,7 @@ def evaluation_tokens(
     from lnfree.evaluate import load_sequences, resolve_dataset
 
     sequences = load_sequences(resolve_dataset(source), tokenizer, context=length, n_sequences=n_sequences,
-                               vocab_size=vocab_size or len(tokenizer), cache_dir=cache_dir)
+                               vocab_size=vocab_size or len(tokenizer), cache_dir=cache_dir, bos_token_id=bos_token_id)
     return torch.from_numpy(sequences)
 
 

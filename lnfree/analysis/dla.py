@@ -38,7 +38,7 @@ import torch
 
 from lnfree.analysis.common import AnalysisModel, ratio_of_means_ci, write_figure, write_summary, write_table
 from lnfree.bridge import (
-    ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, residual_decomposition,
+    ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, norm_weight, residual_decomposition,
 )
 
 __all__ = [
@@ -105,10 +105,10 @@ def final_norm(bridge: Any, resid: torch.Tensor) -> torch.Tensor:
     centred = resid - resid.mean(-1, keepdim=True) if is_layernorm(bridge) else resid
     normed = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + float(bridge.cfg.eps))
     norm = bridge.ln_final.original_component
-    weight = getattr(norm, "weight", None)
+    weight = norm_weight(bridge, norm)
     bias = getattr(norm, "bias", None)
     if weight is not None:
-        normed = normed * weight.detach().to(resid.dtype)
+        normed = normed * weight.to(resid.dtype)
     if bias is not None:
         normed = normed + bias.detach().to(resid.dtype)
     return normed
@@ -168,9 +168,9 @@ def _target_logit_without(bridge: Any, x: torch.Tensor, comps: torch.Tensor, W_t
         bias = 0 if fixed.bias is None else (fixed.bias * W_t).sum(-1)
         return (fixed.linear(x.unsqueeze(0) - comps) * W_t).sum(-1) + bias
     norm = bridge.ln_final.original_component
-    weight = getattr(norm, "weight", None)
+    weight = norm_weight(bridge, norm)
     bias = getattr(norm, "bias", None)
-    w_t = W_t if weight is None else W_t * weight.detach().double()
+    w_t = W_t if weight is None else W_t * weight.double()
     centre = is_layernorm(bridge)
     x_c = x - x.mean(-1, keepdim=True) if centre else x
     c_c = comps - comps.mean(-1, keepdim=True) if centre else comps

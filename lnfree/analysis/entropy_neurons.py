@@ -79,7 +79,7 @@ import torch
 from lnfree.analysis.common import (
     AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
 )
-from lnfree.bridge import hook_name, norm_centres
+from lnfree.bridge import hook_name, norm_centres, norm_weight
 from lnfree.evaluate import token_statistics
 
 __all__ = [
@@ -184,9 +184,9 @@ def unembedding(bridge: Any) -> torch.Tensor:
     """
     W_U = bridge.W_U.detach().to(torch.float64).cpu()
     norm = getattr(getattr(bridge, "ln_final", None), "original_component", None)
-    weight = getattr(norm, "weight", None)
+    weight = norm_weight(bridge, norm) if norm is not None else None
     if isinstance(weight, torch.Tensor) and weight.shape == (W_U.shape[0],):
-        W_U = W_U * weight.detach().to(torch.float64).cpu()[:, None]
+        W_U = W_U * weight.to(torch.float64).cpu()[:, None]
     return centred(W_U, dim=0) if norm_centres(bridge) else W_U
 
 

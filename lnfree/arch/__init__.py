@@ -8,12 +8,13 @@ module here (a subclass of `Architecture` listing its norm sites) plus its tests
 from __future__ import annotations
 
 from lnfree.arch.base import Architecture, Consumer, NormSite, UnsupportedModel
+from lnfree.arch.gemma3 import Gemma3
 from lnfree.arch.gpt2 import GPT2
 from lnfree.arch.gpt_neox import GPTNeoX
 from lnfree.arch.llama import Llama
 from lnfree.arch.qwen3 import Qwen3
 
-FAMILIES: tuple[type[Architecture], ...] = (GPT2, Llama, Qwen3, GPTNeoX)
+FAMILIES: tuple[type[Architecture], ...] = (GPT2, Llama, Qwen3, GPTNeoX, Gemma3)
 SUPPORTED = ", ".join(f"{f.family} ({'/'.join(f.model_types)})" for f in FAMILIES)
 
 __all__ = ["Architecture", "Consumer", "NormSite", "UnsupportedModel", "FAMILIES", "SUPPORTED", "architecture"]

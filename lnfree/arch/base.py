@@ -7,8 +7,9 @@ Everything outside `lnfree.arch` works from these descriptions and never names a
 
 Slot names (the scale states a schedule switches) are shared by every family:
 `blocks.{i}.ln_1qk` / `blocks.{i}.ln_1v` (the attention-input norm's Q/K and V paths),
-`blocks.{i}.ln_2` (the MLP-input norm), `blocks.{i}.q_norm` / `blocks.{i}.k_norm` (Qwen3's
-per-head query/key norms) and `ln_f` (the final norm).
+`blocks.{i}.ln_2` (the MLP-input norm), `blocks.{i}.q_norm` / `blocks.{i}.k_norm` (per-head
+query/key norms), `blocks.{i}.post_attn` / `blocks.{i}.post_mlp` (norms on a sublayer's output,
+before it joins the residual stream) and `ln_f` (the final norm).
 """
 
 from __future__ import annotations
@@ -39,10 +40,16 @@ class NormSite:
     """One norm of the model: its module path, schedule stage, layer and consumers."""
 
     module: str
-    stage: str  # "ln_1" (split into ln_1qk / ln_1v), "ln_2", "q_norm", "k_norm" or "ln_f"
+    stage: str  # "ln_1" (split into ln_1qk / ln_1v), "ln_2", "q_norm", "k_norm", "post_attn", "post_mlp" or "ln_f"
     layer: int | None
     consumers: tuple[Consumer, ...]
     per_head: bool = False  # normalises a projection's per-head output (folds into that projection's rows)
+    on_output: bool = False  # normalises a sublayer's output (Gemma 3's post-norms): folds into its producer's rows
+
+    @property
+    def folds_into_producer(self) -> bool:
+        """True when the consumers are the projections that produce the norm's input (their rows scale)."""
+        return self.per_head or self.on_output
 
     @property
     def split(self) -> bool:
@@ -71,6 +78,12 @@ class Architecture:
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     norm_kind: ClassVar[NormKind]
+    # The norm multiplies by (offset + weight): Gemma's RMSNorm stores weight − 1. Installed norms hold
+    # the effective weight (offset + weight); the plain formats (export, load) add and remove the offset.
+    norm_weight_offset: ClassVar[float] = 0.0
+    # Every sequence must start with the tokenizer's BOS token (Gemma 3 270M: held-out CE 6.8 on windows
+    # cut from a token stream, 3.4 with BOS first); lnfree.data then cuts context − 1 tokens and prepends it.
+    prepends_bos: ClassVar[bool] = False
     eps_field: ClassVar[str]  # config attribute holding the norms' eps
     default_eps: ClassVar[float]
     conv1d: ClassVar[bool] = False  # projections store (in, out) weights (GPT-2's Conv1D)
