@@ -58,6 +58,10 @@ class TrainConfig(_Strict):
     )
     max_micro_batch_size: int = Field(8, ge=1, description="upper bound of the automatic micro-batch (memory)")
     weight_decay: float = 0.01
+    freeze_embeddings: bool = Field(
+        False, description="train everything but the token embedding (and a head tied to it): a large-vocabulary "
+        "model's embedding is most of its parameters and of the optimiser's work"
+    )
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     aux_loss_weight: float = Field(0.1, ge=0)

@@ -215,9 +215,14 @@ def prepend_bos(sequences: np.ndarray, bos_token_id: int) -> np.ndarray:
     return np.concatenate([first, np.asarray(sequences)], axis=1)
 
 
-def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int | None = None) -> np.ndarray:
-    """The stream cut into (n, context) sequences; with a BOS token, context − 1 tokens after it (in memory)."""
+def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int | None = None,
+                  eot: int | None = None) -> np.ndarray:
+    """The stream cut into (n, context) sequences; with a BOS token, context − 1 tokens after it (in memory),
+    and no BOS inside a sequence (a tokenizer that starts each document with one: documents stay
+    separated by EOT, and BOS, which carries the model's attention sink, is only ever at position 0)."""
     length = context if bos_token_id is None else context - 1
+    if bos_token_id is not None and bos_token_id != eot:
+        stream = np.asarray(stream)[np.asarray(stream) != bos_token_id]
     n = len(stream) // length
     if n < 1:
         raise DataError(f"the {what} data holds {len(stream)} tokens, fewer than one sequence of {context}")
@@ -293,8 +298,8 @@ def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int,
         )
     if bos_token_id is not None:
         description += f", each sequence {context - 1} tokens after BOS"
-    return TokenData(_as_sequences(train, context, "train", bos_token_id),
-                     _as_sequences(held_out, context, "held-out", bos_token_id), eot, description, stats)
+    return TokenData(_as_sequences(train, context, "train", bos_token_id, eot),
+                     _as_sequences(held_out, context, "held-out", bos_token_id, eot), eot, description, stats)
 
 
 class StepBatches:

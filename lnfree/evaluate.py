@@ -236,7 +236,7 @@ def load_sequences(
     cached under ``~/.cache/lnfree/eval``. `n_sequences` None takes every full sequence. With
     `bos_token_id` (models that need one: `lnfree.data.bos_token`), each is that token and context − 1 tokens.
     """
-    if bos_token_id is not None:
+    if bos_token_id is not None and spec.how != "tiny":  # a document's own BOS may remain inside a sequence
         from lnfree.data import prepend_bos
 
         return prepend_bos(load_sequences(spec, tokenizer, context=context - 1, n_sequences=n_sequences,
@@ -246,7 +246,7 @@ def load_sequences(
         from lnfree.data import prepare_data
 
         config = load_preset(spec.source).data.model_copy(update={"context_length": context, "cache_dir": cache_dir})
-        held_out = prepare_data(config, tokenizer, context, vocab_size).held_out
+        held_out = prepare_data(config, tokenizer, context, vocab_size, bos_token_id).held_out
         sequences = np.asarray(held_out[: n_sequences or len(held_out)], dtype=np.int64)
     elif spec.how == "npy":
         stream = np.load(spec.source, mmap_mode="r")

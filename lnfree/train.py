@@ -512,6 +512,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
              "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum, **scales()})
 
     damping = _damping(config, model, batches, out, resume, accelerator.is_main_process)
+    if train.freeze_embeddings:
+        model.get_submodule(arch.token_embedding).weight.requires_grad_(False)
     optimizer = make_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(model)

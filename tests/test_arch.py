@@ -176,8 +176,8 @@ def family_run_config(family, tokenizer, tmp_path, **train):
     model = tiny_family(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    stages = [{"kind": "ln_2", "start": 2, "gap": 1}]
-    stages += [{"kind": kind, "gap": 1} for kind in architecture(model).stages[1:]]
+    first, *rest = architecture(model).stages
+    stages = [{"kind": first, "start": 2, "gap": 1}] + [{"kind": kind, "gap": 1} for kind in rest]
     stages += [{"kind": "ln_f", "gap": 0}]
     config = quick_run_config(tmp_path / "run", folder, tmp_path / "cache", max_steps=len(stages) * 2 + 8, **train)
     return with_overrides(config, {"removal.schedule": {"stages": stages}})

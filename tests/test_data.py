@@ -150,3 +150,40 @@ def test_device_batches_equal_step_batches_in_order_and_after_a_jump():
     keys = [(0, 0), (0, 1), (0, 2), (1, 0), (7, 2), (8, 0), (3, 1)]  # in order, then a resume-like jump
     for step, micro in keys:
         assert torch.equal(loader.get(step, micro), batches.get(step, micro, 1))
+
+
+def test_a_family_that_needs_bos_gets_it_first_in_every_sequence_of_training_and_evaluation(tokenizer, tmp_path):
+    from families import tiny_family
+
+    from lnfree.data import bos_token
+    from lnfree.evaluate import load_sequences, resolve_dataset
+
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    plain = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    assert bos_token(tiny_family("llama"), tokenizer) is None
+    bos = bos_token(tiny_family("gemma3"), tokenizer)
+    assert bos == tokenizer.bos_token_id
+    data = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer), bos)
+    assert data.train.shape[1] == 8 and (data.train[:, 0] == bos).all() and (data.held_out[:, 0] == bos).all()
+    stream = plain.train.reshape(-1)
+    assert np.array_equal(data.train[:, 1:].reshape(-1), stream[: data.train.shape[0] * 7])  # 7 tokens after BOS
+    assert "after BOS" in data.description
+    ids = load_sequences(resolve_dataset(str(tmp_path / "docs.jsonl")), tokenizer, context=8, n_sequences=3,
+                         vocab_size=len(tokenizer), bos_token_id=bos)
+    assert ids.shape == (3, 8) and (ids[:, 0] == bos).all()
+    unprefixed = load_sequences(resolve_dataset(str(tmp_path / "docs.jsonl")), tokenizer, context=7, n_sequences=3,
+                                vocab_size=len(tokenizer))
+    assert np.array_equal(ids[:, 1:], unprefixed)
+
+
+def test_a_bos_token_that_documents_carry_is_only_ever_at_position_0(tokenizer, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    plain = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    marker = int(tokenizer("Mary")["input_ids"][0])  # stands in for a BOS each document starts with
+    assert (plain.train == marker).any()
+    data = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer), marker)
+    assert (data.train[:, 0] == marker).all() and not (data.train[:, 1:] == marker).any()
+    stream = plain.train.reshape(-1)  # the stream, cut at a multiple of 8
+    kept, after = stream[stream != marker], data.train[:, 1:].reshape(-1)
+    n = min(len(kept), len(after))
+    assert n > 100 and np.array_equal(after[:n], kept[:n])

@@ -20,13 +20,14 @@ def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_p
     two_processes_match_one(run_config(max_steps=14, micro_batch_size=4), tmp_path)  # 8 sequences: 1 micro-step × 2 ranks
 
 
-def test_two_process_llama_run_freezes_identical_sigma(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_two_process_family_run_freezes_identical_sigma(family, tmp_path):
     from test_arch import family_run_config
 
     from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
 
     tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    two_processes_match_one(family_run_config("llama", tokenizer, tmp_path, micro_batch_size=4), tmp_path)
+    two_processes_match_one(family_run_config(family, tokenizer, tmp_path, micro_batch_size=4), tmp_path)
 
 
 def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every_rank(run_config, tmp_path):

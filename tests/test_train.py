@@ -200,3 +200,14 @@ def test_a_save_killed_midway_is_ignored_resume_continues_and_a_finished_run_is_
     assert again.already_finished and not resumed.already_finished
     assert again.events == resumed.events and again.held_out_ce_end == resumed.held_out_ce_end
     assert again.seconds == resumed.seconds and files() == before
+
+
+def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
+    from transformers import GPT2LMHeadModel
+
+    config = with_overrides(run_config(max_steps=6, learning_rate=1e-3, eval_every=0),
+                            {"train.freeze_embeddings": True, "removal.mode": "vanilla"})
+    result = run(config, progress=False)
+    before = GPT2LMHeadModel.from_pretrained(config.model)
+    torch.testing.assert_close(result.model.transformer.wte.weight, before.transformer.wte.weight, rtol=0, atol=0)
+    assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)

@@ -9,7 +9,11 @@ the MLP output (after `down_proj`), and the final `model.norm`. Every RMSNorm mu
 A fixed-scale output norm is linear in its sublayer's output (w ⊙ y / σ), so it folds into the rows of
 `o_proj` / `down_proj`, like the per-head norms into `q_proj` / `k_proj`. A real output norm bounds
 the sublayer's contribution whatever the scale of its input, so the default schedule fixes the
-input-side norms first, with every output norm still real, and the output norms last.
+input-side norms first, with every output norm still real, and the output norms last; within each
+side, cheapest first, as measured on Gemma 3 270M without fine-tuning
+(`experiments/results/gemma3-270m/fix_by_kind/`: every block's ln_1qk +0.000 nats, since q_norm and
+k_norm rescale the queries and keys anyway; ln_2 +0.24; q_norm +0.22; ln_1v +2.4; k_norm +5.2;
+post_attn +0.90; post_mlp +4.2).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class Gemma3(Architecture):
     prepends_bos = True
     eps_field = "rms_norm_eps"
     default_eps = 1e-6
-    stages = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_mlp", "post_attn")
+    stages = ("ln_1qk", "ln_2", "q_norm", "ln_1v", "k_norm", "post_attn", "post_mlp")
     final_norm = "model.norm"
     unembedding = "lm_head"
     token_embedding = "model.embed_tokens"
