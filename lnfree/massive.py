@@ -233,8 +233,14 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
     reference = embedded if arch.position_embedding is not None else max(embedded, typical)
     row += marker * reference * direction / direction.norm() / row_scale
     x = _captured_input(model, inputs[0], input_ids)
-    gap = x[:, 0].mean(0) - x[:, 1:].flatten(0, 1).mean(0)
-    read = gap / gap.pow(2).sum()  # reads 1 at position 0's mean, 0 at the others' mean
+    rest = x[:, 1:].flatten(0, 1)
+    gap = x[:, 0].mean(0) - rest.mean(0)
+    read = gap
+    if arch.position_embedding is None:  # a BOS token's marker, which attention copies into the others:
+        # Fisher's direction (the gap whitened by how the other positions vary) stays quiet on them.
+        spread = torch.cov(rest.T) + 1e-3 * rest.var(0).mean() * torch.eye(len(gap))
+        read = torch.linalg.solve(spread, gap)
+    read = read / (read @ gap)  # reads 1 at position 0's mean, 0 at the others' mean
     others = (x @ read)[:, 1:].max()
     threshold = others + 0.25 * (1 - others)  # a quarter of the way from the others to position 0
     for path in inputs:  # a gated MLP's gate and up read the same: their product is ~0 unless both fire

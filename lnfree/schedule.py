@@ -130,7 +130,8 @@ class Schedule(BaseModel):
         v_steps = [e.step for e in events if e.kind == "ln_1v"]
         lnf = [e.step for e in events if e.kind == "ln_f"]
         # ln_f alone is a partial removal of its own (direct logit attribution is exact with it fixed).
-        if lnf and len(removals) > 1 and (not v_steps or lnf[0] < max(v_steps)):
+        has_v_paths = slots is None or any(slot.endswith(".ln_1v") for slot in slots)  # OLMo 2 has none
+        if lnf and len(removals) > 1 and (lnf[0] < max(v_steps) if v_steps else has_v_paths):
             when = f"step {max(v_steps)}" if v_steps else "never"
             raise ScheduleError(
                 f"ln_f is removed at step {lnf[0]}, before the last ln_1 V path ({when}); "

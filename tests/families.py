@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+    LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    Qwen3Config, Qwen3ForCausalLM,
 )
 
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "neox-parallel", "neox-sequential", "gemma3"]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "neox-parallel", "neox-sequential", "gemma3", "olmo2"]
 
 
 def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, eos_token_id: int = 0):
@@ -36,6 +37,8 @@ def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, eos_token_id: 
         model = Gemma3ForCausalLM(Gemma3TextConfig(
             **common, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True))
+    elif family == "olmo2":  # output norms only; q/k norms over the whole projection
+        model = Olmo2ForCausalLM(Olmo2Config(**common, num_key_value_heads=2, tie_word_embeddings=False))
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -47,7 +47,7 @@ def test_installed_model_equals_the_original_until_switched_and_refuses_save_pre
     assert torch.equal(model(input_ids=x).logits, base(input_ids=x).logits)
     slots = list(surgery.scale_states(model))
     arch = architecture(base)
-    assert slots[-1] == "ln_f" and len(slots) == (3 + {"qwen3": 2, "gemma3": 4}.get(family, 0)) * arch.n_layers + 1
+    assert slots[-1] == "ln_f" and len(slots) == {"qwen3": 5, "gemma3": 7, "olmo2": 4}.get(family, 3) * arch.n_layers + 1
     fully_fixed(model, 64)
     assert (model(input_ids=x).logits - base(input_ids=x).logits).abs().max() > 1e-3
     with pytest.raises(TypeError, match="write_export"):
@@ -140,7 +140,7 @@ def test_gemma3_output_norms_fold_into_their_producers_and_go_last_and_softcappi
         architecture(config)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-sequential", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-sequential", "gemma3", "olmo2"])
 def test_every_analysis_runs_on_the_family_through_the_cli(family, tokenizer, tmp_path):
     import json
 
@@ -183,7 +183,7 @@ def family_run_config(family, tokenizer, tmp_path, **train):
     return with_overrides(config, {"removal.schedule": {"stages": stages}})
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-parallel", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox-parallel", "gemma3", "olmo2"])
 def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family, tokenizer, tmp_path):
     import json
     import shutil

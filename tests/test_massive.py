@@ -52,13 +52,18 @@ def test_planted_neuron_is_found_alone_and_zeroing_it_leaves_no_gradient(family)
     before = massive_scales(model, ids)["position0_scale"]
     plant_massive_neuron(model, ids, layer=1, neuron=5, scale=100.0)
     planted = massive_scales(model, ids)["position0_scale"]
-    assert planted > 20 * before
+    assert planted > 50 and planted > 10 * before  # OLMo 2's norm inputs are sublayer outputs: 6.6 → 100
     # Gated MLPs have no bias to threshold with: the planted neuron stands out 3.4–11×, not 1000× as in SmolLM2.
     found = find_massive_neurons(model, ids.split(4), ratio=3.0)
-    assert [(n.layer, n.index) for n in found] == [(1, 5)]
-    assert found[0].position0 > 3 * found[0].elsewhere and found[0].output_ratio > 10
+    strongest = max(found, key=lambda n: n.output_ratio)
+    assert (strongest.layer, strongest.index) == (1, 5)
+    assert strongest.position0 > 3 * strongest.elsewhere and strongest.output_ratio > 10
+    # With no norm before its MLPs (OLMo 2), the marker on the first token also drives a block-0 neuron
+    # that writes ~200× less than the planted one; every family with input norms finds the planted one alone.
+    others = [n for n in found if n is not strongest]
+    assert all(n.output_ratio < strongest.output_ratio / 100 for n in others) and (family == "olmo2" or not others)
 
-    scale_neurons(model, found, 0.0)
+    scale_neurons(model, [strongest], 0.0)
     assert all(bool((part == 0).all()) for part in neuron_weights(model, 1, 5))
     assert massive_scales(model, ids)["position0_scale"] < planted / 10  # what remains is the marker
     model.train()

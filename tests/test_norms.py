@@ -321,7 +321,7 @@ def test_rmsnorm_slots_equal_the_hand_computed_fixed_scale_norm():
     torch.testing.assert_close(post(x), x / 4.0 * post.weight, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "olmo2"])  # OLMo 2 has no attention-input norm
 def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
     """All real: one real norm feeds both paths' statistics. All fixed: the shared centred-times-weight
     input with σ applied after the matmul equals the per-path computation (forced by an active pos0 σ

@@ -12,9 +12,10 @@ from lnfree.arch.gemma3 import Gemma3
 from lnfree.arch.gpt2 import GPT2
 from lnfree.arch.gpt_neox import GPTNeoX
 from lnfree.arch.llama import Llama
+from lnfree.arch.olmo2 import Olmo2
 from lnfree.arch.qwen3 import Qwen3
 
-FAMILIES: tuple[type[Architecture], ...] = (GPT2, Llama, Qwen3, GPTNeoX, Gemma3)
+FAMILIES: tuple[type[Architecture], ...] = (GPT2, Llama, Qwen3, GPTNeoX, Gemma3, Olmo2)
 SUPPORTED = ", ".join(f"{f.family} ({'/'.join(f.model_types)})" for f in FAMILIES)
 
 __all__ = ["Architecture", "Consumer", "NormSite", "UnsupportedModel", "FAMILIES", "SUPPORTED", "architecture"]

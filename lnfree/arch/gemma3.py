@@ -12,8 +12,8 @@ the sublayer's contribution whatever the scale of its input, so the default sche
 input-side norms first, with every output norm still real, and the output norms last; within each
 side, cheapest first, as measured on Gemma 3 270M without fine-tuning
 (`experiments/results/gemma3-270m/fix_by_kind/`: every block's ln_1qk +0.000 nats, since q_norm and
-k_norm rescale the queries and keys anyway; ln_2 +0.24; q_norm +0.22; ln_1v +2.4; k_norm +5.2;
-post_attn +0.90; post_mlp +4.2).
+k_norm rescale the queries and keys anyway; ln_2 +0.14; q_norm +0.19; ln_1v +2.4; k_norm +5.4;
+post_attn +0.84; post_mlp +3.9).
 """
 
 from __future__ import annotations

