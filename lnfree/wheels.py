@@ -105,6 +105,7 @@ def wheel_model_folder(name: str) -> str:
     folder = MODEL_CACHE / name
     if (folder / "config.json").is_file():
         return str(folder)
+    model.part_paths()  # the wheels first: their install command is the hint a new machine needs
     if importlib.util.find_spec("gguf") is None:
         raise WheelModelError(f"model {name!r} is stored as GGUF, which needs the gguf package: pip install gguf")
     source = _joined(name, model)

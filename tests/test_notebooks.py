@@ -18,10 +18,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 QUICKSTART = NOTEBOOKS / "01_quickstart.ipynb"
 CIRCUITS = NOTEBOOKS / "02_gpt2_circuits.ipynb"
+MODERN = NOTEBOOKS / "03_modern_models.ipynb"
 TIMEOUT = 600  # seconds per cell; a whole notebook takes about a minute on two CPU cores
 
 
@@ -95,7 +97,7 @@ def plotly_figures(nb) -> int:
                for cell in nb.cells for output in cell.get("outputs", []))
 
 
-@pytest.mark.parametrize("path", [QUICKSTART, CIRCUITS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [QUICKSTART, CIRCUITS, MODERN], ids=lambda p: p.name)
 def test_committed_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
@@ -154,3 +156,37 @@ def test_gpt2_circuits_notebook_runs_on_the_tiny_model(tmp_path, kernel_manager,
                   "entropy_neuron_ablations", "summary"):
         assert (out / "analysis" / f"{table}.csv").is_file(), table
     assert plotly_figures(nb) >= 8
+
+
+def test_modern_models_notebook_runs_on_tiny_stand_ins(tmp_path, kernel_manager):
+    import copy
+
+    from families import tiny_family
+    from transformers import AutoTokenizer
+
+    from lnfree import surgery
+    from lnfree.export import write_export
+    from lnfree.tiny import TINY_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    sources = {}
+    for label, family in (("llama stand-in", "llama"), ("gemma3 stand-in", "gemma3")):
+        model = tiny_family(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+        model.save_pretrained(tmp_path / family)
+        tokenizer.save_pretrained(tmp_path / family)
+        sources[label] = str(tmp_path / family)
+    free = surgery.install(copy.deepcopy(model))
+    surgery.initialise_sigmas(free, [torch.randint(0, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(0))])
+    for state in surgery.scale_states(free).values():
+        state.switch_to_fake()
+    write_export(free, tokenizer, tmp_path / "gemma3-free", {"note": "test stand-in: σ measured, no fine-tuning"})
+    nb = nbformat.read(MODERN, as_version=4)
+    overrides = dict(MODELS=sources, LN_FREE={"gemma3 LN-free": str(tmp_path / "gemma3-free")}, DATA="tiny",
+                     N_SEQUENCES=4, LENGTH=32, CACHE_DIR=str(tmp_path / "cache"))
+    assert set(overrides) <= _parameter_names(nb)
+    nb, seconds = execute(_with_parameters(nb, **overrides), tmp_path, kernel_manager, MODERN.name)
+    print(f"03_modern_models.ipynb: {seconds:.0f} s")
+    text = text_output(nb)
+    assert "gemma3 stand-in: gemma3_text, 2 blocks, BOS first" in text and "llama stand-in: llama, 2 blocks, no BOS" in text
+    assert "gemma3 LN-free: LN-free: DLA == DE" in text
+    assert "position 0's largest channels" in text and "head mean > 0.3" in text

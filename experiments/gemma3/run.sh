@@ -22,10 +22,7 @@ eval_args=(--dataset realtext --context 64 --n-sequences 66)
 analysis_args=(--data realtext --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu)
 
 if [[ $stage == original ]]; then
-  run "$out/eval" lnfree eval gemma3-270m --labels original "${eval_args[@]}" --out "$out/eval"
-  run "$out/analysis" lnfree analyze all --models gemma3-270m --labels original "${analysis_args[@]}" --out "$out/analysis"
-  run "$RESULTS/gemma3-270m/fix_by_kind" "$(python_bin)" experiments/modern/fix_by_kind.py --model gemma3-270m
-  exit 0
+  exec "$EXPERIMENTS_DIR/modern/original.sh" $([[ $DRY_RUN == 1 ]] && echo --dry-run) gemma3-270m
 fi
 
 removal_run() {  # removal_run DIR EXTRA_ARGS...

@@ -54,6 +54,16 @@ def main() -> None:
 
     ce0, base = forward()
     rows = [{"fixed": "nothing (the original)", "norms": 0, "ce": ce0, "max_residual_growth": 1.0}]
+    if bos_token(model, tokenizer) is not None:  # the same tokens after BOS, scored without it in front
+        with torch.no_grad():
+            logits = model(input_ids=score[:, 1:]).logits[:, :-1]
+        ce = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), score[:, 2:].flatten()))
+        with torch.no_grad():
+            logits = model(input_ids=score).logits[:, 1:-1]
+        same = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), score[:, 2:].flatten()))
+        rows.append({"fixed": "nothing, BOS first (targets 2…63)", "norms": 0, "ce": same, "max_residual_growth": 1.0})
+        rows.append({"fixed": "nothing, no BOS first (the same targets)", "norms": 0, "ce": ce,
+                     "max_residual_growth": float("nan")})
     groups = [(kind, (kind,)) for kind in kinds]
     groups += [("every input-side norm (sublayer outputs real)", INPUT_SIDE),
                ("every sublayer-output norm (inputs real)", OUTPUT_SIDE),
