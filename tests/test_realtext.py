@@ -88,3 +88,12 @@ def test_a_missing_or_altered_corpus_names_the_fix(tmp_path):
     (tmp_path / SDIST_NAME).write_bytes(b"not the sdist")
     with pytest.raises(CorpusError, match="sha256"):
         sdist_path(tmp_path)
+
+
+def test_fetching_the_corpus_as_a_module_prints_no_runpy_warning():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "lnfree.realtext.corpus"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "RuntimeWarning" not in done.stderr, done.stderr

@@ -8,22 +8,22 @@ scratch on Django's documentation (see :mod:`lnfree.realtext.corpus` and
 
 from pathlib import Path
 
-from lnfree.realtext.corpus import (
-    HELDOUT_FRACTION,
-    SPLIT_SEED,
-    CorpusError,
-    fetch_command,
-    load_documents,
-    sdist_path,
-    split_documents,
-    train_and_heldout,
-)
 from lnfree.realtext.tokenizer import EOT_TOKEN, build_tokenizer
 
-__all__ = [
-    "REALTEXT_MODEL_DIR", "HELDOUT_FRACTION", "SPLIT_SEED", "CorpusError", "EOT_TOKEN", "build_tokenizer",
-    "fetch_command", "load_documents", "sdist_path", "split_documents", "train_and_heldout",
-]
+# The corpus names load lazily (PEP 562): `python -m lnfree.realtext.corpus` then runs a module that the
+# package has not imported yet, and runpy has nothing to warn about.
+_CORPUS_NAMES = ("HELDOUT_FRACTION", "SPLIT_SEED", "CorpusError", "fetch_command", "load_documents", "sdist_path",
+                 "split_documents", "train_and_heldout")
+
+__all__ = ["REALTEXT_MODEL_DIR", "EOT_TOKEN", "build_tokenizer", *_CORPUS_NAMES]
 
 #: Directory of the bundled real-text model (config, safetensors weights, tokenizer, training summary).
 REALTEXT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "realtext-gpt2"
+
+
+def __getattr__(name: str):
+    if name in _CORPUS_NAMES:
+        from lnfree.realtext import corpus
+
+        return getattr(corpus, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
