@@ -43,12 +43,22 @@ class ExportError(ValueError):
     """A model or run that cannot be exported as asked."""
 
 
+#: The largest eps an export writes: √eps / σ must stay a comfortable fp32 weight (3.4e38 is fp32's largest).
+MAX_EPS = 1e30
+
+
 def choose_eps(peak: float | None) -> float:
     """The smallest power of ten ≥ 10¹² for which `peak` (the largest norm-input variance or mean
     square measured) times `EPS_SAFETY` is below half an ulp of eps in fp32, so the trick is exact."""
     eps = EPS_TRICK_EPS
     while peak is not None and peak * EPS_SAFETY > 2.0 ** (math.floor(math.log2(eps)) - 24):
         eps *= 10
+        if eps > MAX_EPS:
+            raise ExportError(
+                f"a norm input reaches a variance (mean square) of {peak:.3g}: an exact eps-trick export would need "
+                f"eps above {MAX_EPS:g}, beyond what fp32 weights of √eps/σ can carry; such a model cannot be exported "
+                "in the plain format (lnfree.load and the installed model stay exact)"
+            )
     return eps
 
 

@@ -84,3 +84,12 @@ def test_export_refuses_active_special_sigma_and_occupied_folders(tmp_path, toke
     with pytest.raises(ExportError, match="not empty"):
         write_export(removed_model(), tokenizer, tmp_path / "b", {})
     assert (tmp_path / "b" / "x").read_text() == "keep"
+
+
+def test_an_eps_beyond_fp32_is_refused_not_written():
+    from lnfree.export import MAX_EPS, ExportError, choose_eps
+
+    assert choose_eps(None) == 1e12 and choose_eps(1e6) > 1e12
+    assert choose_eps(1e20) <= MAX_EPS
+    with pytest.raises(ExportError, match="cannot be exported in the plain format"):
+        choose_eps(7e30)  # would need eps 1e39: inf in fp32
