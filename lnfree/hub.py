@@ -26,7 +26,7 @@ CARD_TEMPLATE = """---
 
 # {{ model_name }}
 
-A LayerNorm-free version of [{{ base_model }}]({{ base_link }}): every norm's per-token
+A LayerNorm-free version of {% if base_link %}[{{ base_model }}]({{ base_link }}){% else %}`{{ base_model }}`{% endif %}: every norm's per-token
 division was frozen to a fixed scale σ one norm at a time during fine-tuning
 ([lnfree](https://pypi.org/project/lnfree/), after Heimersheim 2024, arXiv 2409.13710, and
 Baroni et al. 2025, arXiv 2507.02559). The model is a plain `{{ model_class }}` in the eps-trick
@@ -80,6 +80,13 @@ BUNDLED = ("tiny", "realtext")
 
 class PushError(ValueError):
     """An export that cannot be pushed as asked."""
+
+
+def is_hub_id(name: str) -> bool:
+    """True for a Hub model id (not a bundled model's name, not a local folder)."""
+    from lnfree.sources import _looks_local
+
+    return name not in BUNDLED and not Path(name).expanduser().exists() and not _looks_local(name)
 
 
 def base_license(base_model: str) -> str | None:
@@ -166,7 +173,8 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
                + (" Held-out cross-entropy (nats): " + ", ".join(f"{k} {v:.4f}" for k, v in ce.items()) + "." if ce else ""))
     return ModelCard.from_template(
         card_data, template_str=CARD_TEMPLATE, model_name=card_data.model_name, repo_id=repo_id,
-        base_model=base_model, base_link=f"https://huggingface.co/{base_model}", events=events, checks=checks,
+        base_model=base_model, base_link=f"https://huggingface.co/{base_model}" if is_hub_id(base_model) else None,
+        events=events, checks=checks,
         summary=summary, model_class=(model_config.get("architectures") or ["a transformers model"])[0],
         eps=f"{eps:.0e}", exact_below=f"{2.0 ** (math.floor(math.log2(eps)) - 24):.3g}",
         peak="not recorded" if peak is None else f"{peak:.3g}",
