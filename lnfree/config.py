@@ -204,9 +204,25 @@ def with_overrides(config: RunConfig, overrides: dict[str, Any] | list[str]) -> 
         *parents, leaf = key.split(".")
         for part in parents:
             if not isinstance(node.get(part), dict):
-                raise ConfigError(f"unknown config key {key!r}")
+                raise ConfigError(_unknown_key(key, data))
             node = node[part]
         if leaf not in node:
-            raise ConfigError(f"unknown config key {key!r}")
+            raise ConfigError(_unknown_key(key, data))
         node[leaf] = value
     return validate_config(data)
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in data.items():
+        keys.append(prefix + name)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown_key(key: str, data: dict) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, _dotted_keys(data), n=1, cutoff=0.6)
+    return f"unknown config key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")

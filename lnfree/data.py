@@ -117,6 +117,20 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _check_json_lines(path: Path) -> None:
+    """A `DataError` naming the first line of a .jsonl file that is not a JSON object (lines count from 1)."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
+
+
 def _local_dataset(path: Path, config: DataConfig):
     import datasets
 
@@ -134,6 +148,8 @@ def _local_dataset(path: Path, config: DataConfig):
             docs = text.split(config.document_separator) if config.document_separator else [text]
             return datasets.Dataset.from_dict({config.text_field: [d.strip() for d in docs if d.strip()]})
         if path.suffix in {".jsonl", ".json"}:
+            if path.suffix == ".jsonl":
+                _check_json_lines(path)
             return datasets.load_dataset("json", data_files=str(path), split="train")
         if path.suffix == ".parquet":
             return datasets.load_dataset("parquet", data_files=str(path), split="train")

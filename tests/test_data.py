@@ -187,3 +187,9 @@ def test_a_bos_token_that_documents_carry_is_only_ever_at_position_0(tokenizer, 
     kept, after = stream[stream != marker], data.train[:, 1:].reshape(-1)
     n = min(len(kept), len(after))
     assert n > 100 and np.array_equal(after[:n], kept[:n])
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_line_number(tokenizer, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n{"text": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 3: not valid JSON"):
+        prepare_data(config(tmp_path / "bad.jsonl", tmp_path), tokenizer, 8, len(tokenizer))

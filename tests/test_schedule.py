@@ -133,7 +133,11 @@ def test_overrides_reach_any_field_and_reject_unknown_keys():
                                                   "data.source=/tmp/x.jsonl", "removal.mode=vanilla"])
     assert config.train.learning_rate == 1e-4 and config.data.source == "/tmp/x.jsonl"
     assert config.removal.mode == "vanilla"
-    with pytest.raises(ValueError, match="unknown config key"):
+    with pytest.raises(ValueError, match="unknown config key 'train.learning_rat'; did you mean 'train.learning_rate'"):
         with_overrides(config, ["train.learning_rat=1"])
+    with pytest.raises(ValueError, match="unknown config key 'trian.max_steps'; did you mean 'train.max_steps'"):
+        with_overrides(config, ["trian.max_steps=1"])
+    with pytest.raises(ValueError, match=r"unknown config key 'zzz'$"):
+        with_overrides(config, ["zzz=1"])
     with pytest.raises(ValueError):
         with_overrides(config, ["train.max_steps=-3"])
