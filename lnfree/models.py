@@ -52,6 +52,11 @@ def load_config(name: str):
     except SourceError as err:
         raise ModelError(str(err)) from None
     source = resolve_model_source(name)
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise ModelError(
+            f"{name!r} is a folder without config.json: expected a model folder (config.json and weights), an lnfree "
+            "export, or a removal run folder (run_config.json and checkpoints/)"
+        )
     try:
         config = AutoConfig.from_pretrained(source)
     except Exception as err:

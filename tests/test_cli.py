@@ -120,6 +120,7 @@ def test_user_errors_are_one_line_without_links_or_tracebacks(tmp_path):
         (["remove", "--model", "./typo", "--no-control"], "no such folder: ./typo"),
         (["export", str(tmp_path / "missing-run"), str(tmp_path / "out")], "no such folder"),
         (["remove", "--resume", "-o", str(tmp_path / "never-ran")], "nothing to resume"),
+        (["verify", str(tmp_path)], "is a folder without config.json: expected a model folder"),
     ]
     for args, message in checks:
         result = runner.invoke(app, args)
