@@ -156,8 +156,25 @@ def remove(
     started = time.perf_counter()
     try:
         _remove_and_report(cfg, resume, overwrite, run_control, started)
+    except KeyboardInterrupt:
+        _interrupted(Path(cfg.output_dir))
     finally:
         close_distributed()
+
+
+def _interrupted(out: Path) -> None:
+    """Ctrl-C during `lnfree remove`: say where the run stands and how to continue it; exit 130."""
+    import shlex
+    import sys
+
+    from lnfree.train import latest_checkpoint
+
+    latest = latest_checkpoint(out)
+    args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
+    command = " ".join(shlex.quote(a) for a in ["lnfree", *args, "--resume"])
+    where = f"its latest complete checkpoint is {latest}" if latest else "it saved no checkpoint yet (start it again)"
+    typer.echo(f"interrupted: the run in {out} stopped; {where}. Continue it with:\n  {command}", err=True)
+    raise typer.Exit(130)
 
 
 def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, started: float) -> None:

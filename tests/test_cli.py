@@ -200,3 +200,28 @@ def test_remove_with_only_the_final_norm_keeps_the_run_folder_and_says_so(run_co
     assert "partial removal: 1 of 7 norms fixed" in result.output and not (tmp_path / "run" / "export").exists()
     loaded = load(str(tmp_path / "run"))
     assert [name for name, norm in loaded.norms.items() if norm["fixed"]] == ["ln_f"]
+
+
+def test_ctrl_c_says_where_the_run_stands_and_how_to_resume_it(tmp_path, model_dir, monkeypatch):
+    import sys
+
+    from lnfree import cli
+
+    finish = cli._remove_and_report
+
+    def interrupted(*args):
+        finish(*args)  # a whole short run, so that a checkpoint exists
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_remove_and_report", interrupted)
+    from conftest import quick_run_config
+
+    config = quick_run_config(tmp_path / "run", model_dir, tmp_path / "cache", max_steps=2)
+    (tmp_path / "quick.json").write_text(config.model_dump_json())
+    args = ["remove", "--config", str(tmp_path / "quick.json"), "--set", "removal.mode=vanilla", "--no-control",
+            "--overwrite"]
+    monkeypatch.setattr(sys, "argv", ["lnfree", *args])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130
+    assert "interrupted: the run in" in result.output and "step_000002" in result.output
+    assert result.output.strip().endswith("--resume") and "--overwrite" not in result.output
