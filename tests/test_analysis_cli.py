@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import byte_level_bpe, own_corpus, small_gpt2
 from typer.testing import CliRunner
 
@@ -114,3 +116,13 @@ def test_quiet_libraries_silences_other_libraries_for_the_block_only():
         warnings.warn_explicit("after", UserWarning, "bridge.py", 2, module="transformer_lens.model_bridge")
     assert [str(w.message) for w in caught] == ["ours", "after"]
     assert logging.getLogger("transformer_lens").isEnabledFor(logging.WARNING) and hf_logging.is_progress_bar_enabled()
+
+
+def test_default_labels_are_unique_and_explicit_ones_must_be():
+    from lnfree.analysis.common import model_labels
+
+    assert model_labels(["runs/tiny-llama", "runs/tiny-llama/export"]) == ["runs/tiny-llama", "tiny-llama/export"]
+    assert model_labels(["gpt2", "runs/gpt2/export", "runs/gpt2/control"]) == ["gpt2", "gpt2/export", "control"]
+    assert model_labels(["tiny", "tiny"]) == ["tiny", "tiny #2"]
+    with pytest.raises(ValueError, match="must be unique"):
+        model_labels(["a", "b"], ["x", "x"])

@@ -133,9 +133,30 @@ def model_labels(sources: Sequence[str], labels: Sequence[str] | None = None) ->
     """One unique label per source; by default the sources' folder names."""
     if labels is not None and len(labels) != len(sources):
         raise ValueError(f"{len(labels)} labels for {len(sources)} models")
-    labels = list(labels) if labels else [default_label(s) for s in sources]
+    if not labels:
+        return _unique_defaults(sources)
+    labels = list(labels)
     if len(set(labels)) != len(labels):
         raise ValueError(f"model labels must be unique, got {labels}; pass labels explicitly")
+    return labels
+
+
+def _unique_defaults(sources: Sequence[str]) -> list[str]:
+    """Default labels, lengthened where they collide: the shortest path suffix that tells them apart
+    ('tiny-llama' and 'tiny-llama/export'), then a number for sources given twice."""
+    labels = [default_label(s) for s in sources]
+    parts = [Path(str(s).rstrip("/")).parts for s in sources]
+    for depth in range(2, max(len(p) for p in parts) + 1):
+        clashing = {i for i, label in enumerate(labels) if labels.count(label) > 1}
+        if not clashing:
+            break
+        for i in clashing:
+            labels[i] = "/".join(parts[i][-depth:])
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            labels[i] = f"{label} #{seen[label]}"
     return labels
 
 
