@@ -240,20 +240,17 @@ def schedule(
     events: Annotated[bool, typer.Option("--events", help="List every event, not one line per stage. (default: off)")] = False,
 ) -> None:
     """Print a preset's removal timeline."""
-    from lnfree.models import load_config as load_model_config
-    from lnfree.sources import check_model_source
-    from lnfree.train import resolve_run
-
     from lnfree.arch import architecture
+    from lnfree.plan import config_of
     from lnfree.schedule import PER_LAYER_KINDS
+    from lnfree.train import resolve_run
 
     with _user_errors():
         cfg = _base_config(preset, config, None)
     stages = PER_LAYER_KINDS[:3]
     if n_layer is None:
-        try:
-            check_model_source(cfg.model)
-            arch = architecture(load_model_config(cfg.model))
+        try:  # the presets' GPT-2 sizes are known offline (as for `lnfree plan`)
+            arch = architecture(config_of(cfg.model))
         except (ValueError, OSError) as err:
             _fail(f"{err} (pass --n-layer)")
         n_layer, stages = arch.n_layers, arch.stages

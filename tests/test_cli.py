@@ -225,3 +225,10 @@ def test_ctrl_c_says_where_the_run_stands_and_how_to_resume_it(tmp_path, model_d
     assert result.exit_code == 130
     assert "interrupted: the run in" in result.output and "step_000002" in result.output
     assert result.output.strip().endswith("--resume") and "--overwrite" not in result.output
+
+
+def test_schedule_of_a_gpt2_preset_needs_no_hub(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = runner.invoke(app, ["schedule", "--preset", "gpt2-xl"])
+    assert result.exit_code == 0, result.output
+    assert "48 blocks" in result.output
