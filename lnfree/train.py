@@ -361,8 +361,11 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
         if resume and not same:
             raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
         if not resume and not overwrite:
-            what = "this same run" if same else "a different run"
-            raise RunError(f"{out} already holds {what}; continue it with resume=True (CLI: --resume) or replace it with overwrite=True (--overwrite)")
+            if same:
+                raise RunError(f"{out} already holds this same run; continue it with resume=True (CLI: --resume) or "
+                               "replace it with overwrite=True (--overwrite)")
+            raise RunError(f"{out} already holds a different run; choose another output_dir (CLI: -o DIR) or replace "
+                           "it with overwrite=True (--overwrite)")
         if overwrite:
             for name in RUN_OUTPUTS:  # never what the user put beside them (e.g. an eval/ folder)
                 path = out / name

@@ -130,10 +130,11 @@ def test_refuses_tokenizer_that_does_not_fit_the_model(model_dir, tmp_path):
 
 def test_output_dir_holding_another_run_is_an_error(run_config):
     first = run(run_config(max_steps=12), progress=False)
-    with pytest.raises(RunError, match="this same run"):
+    with pytest.raises(RunError, match="this same run; continue it with resume=True"):
         run(run_config(max_steps=12), progress=False)
-    with pytest.raises(RunError, match="a different run"):
+    with pytest.raises(RunError, match=r"a different run; choose another output_dir \(CLI: -o DIR\)") as error:
         run(run_config(max_steps=13), progress=False)
+    assert "resume" not in str(error.value)
     with pytest.raises(RunError, match="different config"):
         run(run_config(max_steps=13), resume=True, progress=False)
     assert (first.output_dir / "checkpoints" / "step_000012").exists()
