@@ -328,7 +328,7 @@ def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
 
     from lnfree.arch import architecture
     from lnfree.arch.base import norm_eps
-    from lnfree.models import EPS_TRICK_THRESHOLD, resolve_model_source
+    from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, resolve_model_source
 
     location = resolve_model_source(source)
     if (Path(location) / "run_config.json").is_file() or (Path(location) / "trainer_state.json").is_file():
@@ -336,7 +336,7 @@ def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
                         "folder or Hub id (use --form hf or folded)")
     module = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, local_files_only=Path(location).exists())
     norms = [module.get_submodule(site.module) for site in architecture(module).sites()]
-    scaled = [m for m in norms if m.weight.abs().mean() > 1e3]  # eps-trick weights, w·√E/σ
+    scaled = [m for m in norms if m.weight.abs().mean() > EPS_TRICK_WEIGHT]  # eps-trick weights, w·√E/σ
     if any(norm_eps(m) < EPS_TRICK_THRESHOLD for m in scaled):
         raise EvalError(f"{source} carries eps-trick norm weights but eps {norm_eps(scaled[0]):g} in its config: "
                         "transformers computes garbage from it; use --form hf or folded (lnfree.load fixes the eps)")

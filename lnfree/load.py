@@ -31,10 +31,7 @@ from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
 from lnfree.arch.norms import FixedScaleNorm, ScaleState
 from lnfree.export import EPS_TRICK_EPS, RECORD, load_checkpoint
 from lnfree.fold import FoldError, fold
-from lnfree.models import EPS_TRICK_THRESHOLD, load_config, resolve_model_source
-
-# A norm weight this large only occurs in the eps-trick format (weights are w·√E/σ, √E ≥ 10⁶).
-EPS_TRICK_WEIGHT = 1e3
+from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, load_config, resolve_model_source
 
 
 class LoadError(ValueError):

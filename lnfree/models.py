@@ -16,6 +16,8 @@ from lnfree.arch import UnsupportedModel, architecture
 from lnfree.wheels import WHEEL_MODELS, WheelModelError, wheel_model_folder
 
 EPS_TRICK_THRESHOLD = 1e6
+#: A norm weight this large only occurs in the eps-trick format (weights are w·√E/σ, √E ≥ 10⁶).
+EPS_TRICK_WEIGHT = 1e3
 MODEL_NAMES = ("tiny", "realtext", *WHEEL_MODELS)
 # Hub ids of the named models that have one (for model cards' `base_model`).
 HUB_IDS = {name: m.hub_id for name, m in WHEEL_MODELS.items() if m.hub_id}
@@ -86,6 +88,6 @@ def load_base(name: str, dtype: torch.dtype = torch.float32):
         raise ModelError(f"the tokenizer of {name!r} has no eos (EOT) token")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     arch = architecture(model)
-    if any(model.get_submodule(site.module).weight.abs().mean() > 1e3 for site in arch.sites()):
+    if any(model.get_submodule(site.module).weight.abs().mean() > EPS_TRICK_WEIGHT for site in arch.sites()):
         raise ModelError(f"{name!r} is already LayerNorm-free (its norms carry eps-trick weights)")
     return model, tokenizer
