@@ -92,6 +92,9 @@ class TrainConfig(_Strict):
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int | None = Field(
+        None, ge=1, description="keep only the newest N complete checkpoints (a big model's are GBs each); None: all"
+    )
     eval_every: int = Field(0, ge=0, description="held-out CE every N steps (0: start and end only)")
     log_every: int = Field(10, ge=1)
     report_to: list[Literal["wandb", "tensorboard"]] = []

@@ -386,11 +386,13 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
 
 
 def save_checkpoint(
-    accelerator: Accelerator, model: nn.Module, out: Path, step: int, model_config, extra: dict | None = None
+    accelerator: Accelerator, model: nn.Module, out: Path, step: int, model_config, extra: dict | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Model (with removal buffers), optimiser and RNG states after `step` completed steps, plus `extra`.
 
-    Written into a temporary folder that is renamed to `checkpoints/step_N` once complete.
+    Written into a temporary folder that is renamed to `checkpoints/step_N` once complete; then only the
+    newest `keep` complete checkpoints stay (None: all).
     """
     folder = out / CHECKPOINTS / f"step_{step:06d}"
     partial = folder.with_name(PARTIAL + folder.name)
@@ -409,6 +411,10 @@ def save_checkpoint(
         if folder.exists():  # an incomplete folder of an older lnfree, or a re-saved step
             shutil.rmtree(folder)
         partial.rename(folder)
+        if keep is not None:
+            complete, _ = checkpoints(out)
+            for old in complete[:-keep]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return folder
 
@@ -627,7 +633,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
-                             "timeline": timeline.state_dict()})
+                             "timeline": timeline.state_dict()}, train.keep_checkpoints)
     lnf_input.handle.remove()
     if norm_inputs is not None:
         norm_inputs.remove()
@@ -641,7 +647,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": scored, "seconds": seconds,
          **scales()})
     checkpoint = save_checkpoint(accelerator, bare, out, train.max_steps, bare.config,
-                                 {"seconds": seconds, "held_out_ce": ce_end, "timeline": timeline.state_dict()})
+                                 {"seconds": seconds, "held_out_ce": ce_end, "timeline": timeline.state_dict()},
+                                 train.keep_checkpoints)
     if train.report_to:
         accelerator.end_training()
     records = [_event_record(e, bare) for e in timeline.applied]  # the same on every process

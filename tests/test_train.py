@@ -212,3 +212,14 @@ def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
     before = GPT2LMHeadModel.from_pretrained(config.model)
     torch.testing.assert_close(result.model.transformer.wte.weight, before.transformer.wte.weight, rtol=0, atol=0)
     assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
+
+
+def test_only_the_newest_checkpoints_are_kept_when_asked(run_config, tmp_path):
+    config = with_overrides(run_config(max_steps=8, save_every=2, eval_every=0),
+                            {"removal.mode": "vanilla", "train.keep_checkpoints": 2})
+    result = run(config, progress=False)
+    kept = sorted(p.name for p in (result.output_dir / "checkpoints").iterdir())
+    assert kept == ["step_000006", "step_000008"]
+    everything = run(with_overrides(config, {"train.keep_checkpoints": None, "output_dir": str(tmp_path / "all")}),
+                     progress=False)
+    assert len(list((everything.output_dir / "checkpoints").iterdir())) == 4
