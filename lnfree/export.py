@@ -43,8 +43,8 @@ class ExportError(ValueError):
     """A model or run that cannot be exported as asked."""
 
 
-#: The largest eps an export writes: √eps / σ must stay a comfortable fp32 weight (3.4e38 is fp32's largest).
-MAX_EPS = 1e30
+#: The largest eps an export writes: the config's eps and mean(x²) + eps must be finite in fp32 (largest 3.4e38).
+MAX_EPS = 1e38
 
 
 def choose_eps(peak: float | None) -> float:
@@ -56,7 +56,7 @@ def choose_eps(peak: float | None) -> float:
         if eps > MAX_EPS:
             raise ExportError(
                 f"a norm input reaches a variance (mean square) of {peak:.3g}: an exact eps-trick export would need "
-                f"eps above {MAX_EPS:g}, beyond what fp32 weights of √eps/σ can carry; such a model cannot be exported "
+                f"eps above {MAX_EPS:g}, beyond fp32; such a model cannot be exported "
                 "in the plain format (lnfree.load and the installed model stay exact)"
             )
     return eps
