@@ -920,12 +920,28 @@ def markdown(report: EvalReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _remove_previous_report(out: Path) -> None:
+    """One folder holds one evaluation: the files an earlier report listed in its summary.json go first
+    (a file the user put beside them stays)."""
+    previous = out / "summary.json"
+    if not previous.is_file():
+        return
+    try:
+        files = json.loads(previous.read_text()).get("files", [])
+    except (ValueError, AttributeError):
+        return
+    for name in files:
+        if isinstance(name, str) and Path(name).name == name:  # plain names inside `out` only
+            (out / name).unlink(missing_ok=True)
+
+
 def write_report(report: EvalReport, out_dir: str | Path, *, save_tokens: bool = False) -> list[Path]:
     """Write per-model JSON/CSV, the comparison (md, csv), pairwise, position and outlier tables, summary.json."""
     import pandas as pd
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_previous_report(out)
     written = []
     shared = {"dataset": report.dataset, "settings": report.settings, "convention": report.convention, "units": UNITS}
     for m in report.models:

@@ -226,6 +226,15 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     direct = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert summary["models"][0]["ce"]["mean"] == pytest.approx(float(direct), abs=1e-5)
 
+    # A second evaluation into the same folder replaces the first: no per-model file of it stays behind.
+    (out / "notes.txt").write_text("mine")
+    again = runner.invoke(app, [
+        "eval", "tiny", "--labels", "alone", "--dataset", "tiny", "--n-sequences", "4", "--out", str(out),
+        "--cache-dir", cache, "--bootstrap", "10", "--device", "cpu", "--no-progress"])
+    assert again.exit_code == 0, again.output
+    assert not any((out / f"{label}.json").exists() for label in ("original", "vanilla", "ln_free"))
+    assert (out / "alone.json").is_file() and (out / "notes.txt").read_text() == "mine"
+
 
 def test_bad_input_gives_clear_errors(tmp_path):
     with pytest.raises(ev.EvalError, match="unknown dataset preset 'owt'.*owt-val"):
