@@ -444,3 +444,24 @@ def test_rescaled_projection_matches_autograd_through_the_formula(columns, in_ou
     torch.testing.assert_close(out.float(), expected, **tolerance)
     for got, want, name in zip(grads, expected_grads, ["h", "weight", "bias", "norm_bias"]):
         torch.testing.assert_close(got, want, **tolerance, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padding_gives_the_first_real_token_the_position_0_sigma(family):
+    model = surgery.install(tiny_family(family), special_pos0=True)
+    x = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    surgery.initialise_sigmas(model, [x])
+    for state in surgery.scale_states(model).values():
+        if state.has_pos0:
+            state.sigma_pos0.mul_(3.0)  # position 0's σ clearly differs from the general one
+        state.switch_to_fake()
+    padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), x], dim=1)
+    mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # what a padded batch's positions are (generate() passes them)
+    with torch.no_grad():
+        plain = model(input_ids=x).logits
+        left = model(input_ids=padded, attention_mask=mask, position_ids=position_ids).logits[:, 3:]
+        implied = model(input_ids=padded, attention_mask=mask).logits[:, 3:]
+    torch.testing.assert_close(left, plain, rtol=1e-4, atol=1e-4)
+    if family == "llama":  # rotary attention is relative: the positions transformers infers give the same logits
+        torch.testing.assert_close(implied, plain, rtol=1e-4, atol=1e-4)

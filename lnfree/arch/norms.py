@@ -56,7 +56,11 @@ class TokenContext:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self.input_ids = input_ids
         position_ids = kwargs.get("position_ids")
-        if position_ids is None and input_ids is not None:
+        mask = kwargs.get("attention_mask")
+        if position_ids is None and input_ids is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            # Left padding: the first real token is position 0 (padding before it gets −1), not column 0.
+            position_ids = (mask.long().cumsum(-1) - 1)[:, -input_ids.shape[-1]:]
+        elif position_ids is None and input_ids is not None:
             cache = kwargs.get("past_key_values")
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device) + past
