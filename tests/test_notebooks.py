@@ -18,7 +18,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 QUICKSTART = NOTEBOOKS / "01_quickstart.ipynb"
@@ -162,6 +161,7 @@ def test_modern_models_notebook_runs_on_tiny_stand_ins(tmp_path, kernel_manager)
     import copy
 
     from families import tiny_family
+    from test_arch import fully_fixed
     from transformers import AutoTokenizer
 
     from lnfree import surgery
@@ -175,10 +175,7 @@ def test_modern_models_notebook_runs_on_tiny_stand_ins(tmp_path, kernel_manager)
         model.save_pretrained(tmp_path / family)
         tokenizer.save_pretrained(tmp_path / family)
         sources[label] = str(tmp_path / family)
-    free = surgery.install(copy.deepcopy(model))
-    surgery.initialise_sigmas(free, [torch.randint(0, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(0))])
-    for state in surgery.scale_states(free).values():
-        state.switch_to_fake()
+    free = fully_fixed(surgery.install(copy.deepcopy(model)), len(tokenizer))
     write_export(free, tokenizer, tmp_path / "gemma3-free", {"note": "test stand-in: σ measured, no fine-tuning"})
     nb = nbformat.read(MODERN, as_version=4)
     overrides = dict(MODELS=sources, LN_FREE={"gemma3 LN-free": str(tmp_path / "gemma3-free")}, DATA="tiny",
