@@ -49,10 +49,10 @@ def exactness(folder: Path) -> dict:
     return {
         "eps": record["eps"],
         "peak_norm_input": record["eps_choice"]["peak_norm_input"],
-        "predicted_worst_relative_error": record["eps_choice"]["worst_relative_error"],
+        "predicted_worst_relative_error": record["eps_choice"]["bound_relative_error"],
         "plain_max_abs_diff": plain["max_abs_diff"],
         "plain_worst_token_relative_error": plain["worst_token_relative_error"],
-        "plain_worst_token_position": plain["worst_token_position"],
+        "plain_worst_token_position": plain["worst_token"]["position"],
         "folded_max_abs_diff": report["checks"].get("folded", {}).get("max_abs_diff"),
         "bridge_max_abs_diff": report["checks"].get("transformer_lens_bridge", {}).get("max_abs_diff"),
         "verify_ok": report["ok"],

@@ -336,7 +336,7 @@ def verify(
     source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any supported model's folder / Hub id.")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the report as JSON to this file. (default: none)")] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| accepted (fp32).")] = 1e-4,
-    seed: Annotated[int, typer.Option(help="Seed of the sample tokens.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the probe's random tokens.")] = 0,
 ) -> None:
     """Compare every representation of a checkpoint with lnfree's exact form; exit 1 beyond tolerance."""
     from lnfree.train import quiet_libraries
@@ -349,7 +349,11 @@ def verify(
     typer.echo(report["repr"])
     for name, check in report["checks"].items():
         value = "n/a" if check["max_abs_diff"] is None else f"{check['max_abs_diff']:.2e}"
-        typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}  {check['note']}")
+        worst = check.get("worst_token")
+        where = "" if worst is None else (
+            f"; worst token {check['worst_token_relative_error']:.1e} relative, row {worst['row']} position "
+            f"{worst['position']} ({worst.get('text', worst['token_id'])!r})")
+        typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}{where}  {check['note']}")
     fingerprint = report["fingerprint"]
     status = "FAIL" if not fingerprint["ok"] else ("ok  " if fingerprint["checked"] else "note")
     typer.echo(f"  {status} {'export fingerprint':>30}: {fingerprint['note']}")

@@ -32,6 +32,7 @@ from lnfree.arch.base import set_norm_eps, v_mask
 from lnfree.arch.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
 from lnfree.massive import NEURONS_FILE
+from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, probe_batch
 
 EPS_TRICK_EPS = 1e12
 EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
@@ -187,36 +188,39 @@ def write_export(
 ) -> Path:
     """Write the eps-trick model (safetensors), tokenizer and `lnfree_removal.json` to `out`.
 
-    The eps is chosen from the largest norm-input variance measured on `probe` (input ids; real
-    held-out text when available, seeded random tokens otherwise) and recorded with the resulting
-    worst-case relative error. Written to a temporary folder first and moved into place, so a
-    failure leaves nothing behind.
-    The record holds a fingerprint (weights sha256, probe logits) that `lnfree verify` checks.
+    The eps is chosen from the largest norm-input variance measured on a probe (`lnfree.probe`:
+    `probe`, i.e. real held-out ids when the run has them, plus rows with BOS, every special token,
+    repeated tokens and random ids). A complete export is then reloaded by plain `transformers` and
+    its logits measured against the installed model on that probe; eps is raised tenfold until the
+    worst token's relative error is within `RELATIVE_TOLERANCE`, else the export is refused. The
+    record holds the measured error and its token. Written to a temporary folder first and moved
+    into place, so a failure leaves nothing behind. The record also holds a fingerprint (weights
+    sha256, probe logits) that `lnfree verify` checks.
     """
-    from lnfree.verify import export_fingerprint, sample_tokens  # lnfree.verify imports this module
+    from lnfree.verify import export_fingerprint  # lnfree.verify imports this module
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
-    if probe is None:
-        probe = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 64, length=64)
-    peaks = norm_input_peaks(model, probe.split(4))
+    ids = probe_batch(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
+    peaks = norm_input_peaks(model, ids.split(4))
     peak = max(peaks.values())
     eps = choose_eps(peak)
-    plain = to_eps_trick(model, eps=eps, allow_partial=allow_partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # not tempfile.mkdtemp: its 0700 would stay on the export
     try:
-        plain.save_pretrained(tmp, safe_serialization=True)
+        plain, eps, measured = _write_checked(model, tmp, ids, eps, allow_partial)
         tokenizer.save_pretrained(tmp)
         full = {
             "lnfree_version": __version__,
             "format": "eps-trick",
             "eps": eps,
             "weight_scale": math.sqrt(eps),
-            "eps_choice": {"peak_norm_input": peak, "safety": EPS_SAFETY, "probe_tokens": list(probe.shape),
-                           "worst_relative_error": eps_trick_error(peak, eps), "peak_by_slot": peaks},
+            "eps_choice": {"peak_norm_input": peak, "safety": EPS_SAFETY, "probe_tokens": list(ids.shape),
+                           "real_text_rows": 0 if probe is None else len(probe),
+                           "bound_relative_error": eps_trick_error(peak, eps), "peak_by_slot": peaks,
+                           **_measured_record(measured, ids, tokenizer)},
             "fully_removed": surgery.is_fully_removed(model),
             "norms": surgery.removal_state(model),
             **record,
@@ -230,6 +234,44 @@ def write_export(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def _write_checked(model: nn.Module, folder: Path, ids: torch.Tensor, eps: float, allow_partial: bool):
+    """Save the eps-trick model to `folder`, reload it with plain transformers and measure it on `ids`
+    (complete exports only), raising eps tenfold while the worst token is beyond tolerance.
+    Returns (plain model, eps, measurement or None)."""
+    was_training = model.training
+    model.eval()
+    try:
+        while True:
+            plain = to_eps_trick(model, eps=eps, allow_partial=allow_partial)
+            plain.save_pretrained(folder, safe_serialization=True)
+            if not surgery.is_fully_removed(model):  # plain transformers rebuilds every norm with one eps
+                return plain, eps, None
+            reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            measured = compare_logits(reloaded.to(next(model.parameters()).device), model, ids)
+            measured["eps"] = eps
+            if measured["worst_token_relative_error"] <= RELATIVE_TOLERANCE:
+                return plain, eps, measured
+            if eps * 10 > MAX_EPS:
+                raise ExportError(
+                    f"the exported model's logits differ from the installed model's by "
+                    f"{measured['worst_token_relative_error']:.2e} (relative, worst token of the probe) even with "
+                    f"eps {eps:g}: it cannot be exported in the plain format (lnfree.load and the installed model "
+                    "stay exact)")
+            eps *= 10
+    finally:
+        model.train(was_training)
+
+
+def _measured_record(measured: dict | None, ids: torch.Tensor, tokenizer) -> dict:
+    if measured is None:
+        return {"worst_relative_error": None,
+                "measured": "not measured: a partial export is exact only through lnfree.load"}
+    return {"worst_relative_error": measured["worst_token_relative_error"],
+            "max_abs_diff": measured["max_abs_diff"], "tolerance": RELATIVE_TOLERANCE,
+            "worst_token": describe_token(ids, measured["worst_token"], tokenizer),
+            "measured": "plain transformers from_pretrained of the export against the installed model, on the probe"}
 
 
 def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | None = None) -> Path:

@@ -1,8 +1,8 @@
 """`lnfree verify`: check every representation of a checkpoint against lnfree's exact form.
 
-The reference is the fixed-scale model of `lnfree.load` in fp32. Compared with it, on seeded
-sample tokens: the checkpoint loaded by plain `transformers` exactly as saved (what a user who
-has never heard of lnfree gets), the folded LN-free weights, the TransformerLens bridge, and the
+The reference is the fixed-scale model of `lnfree.load` in fp32. Compared with it, on a probe of
+real text, BOS, special and repeated tokens and seeded random ids (`lnfree.probe`): the checkpoint
+loaded by plain `transformers` exactly as saved (what a user who has never heard of lnfree gets), the folded LN-free weights, the TransformerLens bridge, and the
 direct-logit-attribution reconstruction (embeddings + every attention and MLP output, each read
 through the unembedding, plus its bias, must sum to the logits; LN-free models only).
 
@@ -25,14 +25,10 @@ from lnfree.arch import architecture
 from lnfree.export import RECORD
 from lnfree.load import LoadedModel, load
 from lnfree.models import resolve_model_source
+from lnfree.probe import compare_logits, describe_token, logits_fn, probe_batch, sample_tokens, special_ids, text_ids
 
 TOLERANCE = 1e-4
-
-
-def sample_tokens(vocab_size: int, n_positions: int, n_sequences: int = 4, length: int = 32, seed: int = 0) -> torch.Tensor:
-    """Seeded random token ids (n_sequences, min(length, n_positions))."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (n_sequences, min(length, n_positions)), generator=generator)
+PROBE_LENGTH = 64  # tokens per probe row (at most the model's context)
 
 
 @torch.no_grad()
@@ -59,51 +55,46 @@ def dla_reconstruction(folded: nn.Module, input_ids: torch.Tensor) -> tuple[torc
     return logits, direct + head.bias if head.bias is not None else direct
 
 
-def worst_token_relative_error(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, int]:
-    """The largest per-token ‖logits − reference‖ / ‖reference‖ and the position where it occurs."""
-    error = (logits.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)
-    worst = int(error.argmax())
-    return float(error.flatten()[worst]), worst % error.shape[-1]
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
 def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, bridge: bool = True) -> dict:
-    """Run every check on `source`; returns a JSON-ready report with `ok` overall and per check."""
+    """Run every check on `source`; returns a JSON-ready report with `ok` overall and per check.
+
+    Every check runs on the same probe (`lnfree.probe.probe_batch`): a real-text row (BOS first when
+    the tokenizer has one), seeded random rows, and rows that start with BOS, each special token and
+    repeated tokens, where real models put their largest activations. Each check reports the largest
+    |Δlogit| and the worst token (its relative error, place and text).
+    """
     loaded: LoadedModel = load(source)
     config = loaded.model.config
-    ids = sample_tokens(config.vocab_size, loaded.arch.n_positions or 32, seed=seed)
-    with torch.no_grad():
-        reference = loaded.model(input_ids=ids).logits
+    tokenizer = loaded.tokenizer
+    n_positions = loaded.arch.n_positions
+    real = text_ids(tokenizer, length=min(PROBE_LENGTH, n_positions or PROBE_LENGTH)) if tokenizer is not None else None
+    ids = probe_batch(config, tokenizer, text_ids=real, length=PROBE_LENGTH, n_positions=n_positions, seed=seed)
+    reference = logits_fn(loaded.model)
     checks: dict[str, dict] = {}
 
-    def record(name: str, value: float | None, note: str = "") -> None:
+    def record(name: str, measured: dict | None, note: str = "") -> None:
+        value = None if measured is None else measured["max_abs_diff"]
         checks[name] = {"max_abs_diff": value, "ok": value is not None and value <= tolerance, "note": note}
+        if measured is not None:
+            checks[name].update(worst_token_relative_error=measured["worst_token_relative_error"],
+                                worst_token=describe_token(ids, measured["worst_token"], tokenizer))
 
     path = Path(str(source))
     if loaded.kind != "lnfree checkpoint" and (path / "config.json").is_file():
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = plain(input_ids=ids).logits
-        diff = _max_diff(logits, reference)
-        note = "" if diff <= tolerance else (
+        measured = compare_logits(plain, reference, ids)
+        note = "" if measured["max_abs_diff"] <= tolerance else (
             f"plain transformers loading disagrees (config eps {architecture(plain).eps:g}); "
             "loaders that read eps from the config get wrong logits: load with lnfree.load or fix the config")
-        record("transformers.from_pretrained", diff, note)
-        error, position = worst_token_relative_error(logits, reference)
-        checks["transformers.from_pretrained"].update(worst_token_relative_error=error, worst_token_position=position)
+        record("transformers.from_pretrained", measured, note)
     if loaded.fully_ln_free:
         folded = loaded.folded()
-        logits, direct = dla_reconstruction(folded, ids)
-        record("folded", _max_diff(logits, reference))
-        record("dla_reconstruction", _max_diff(direct, logits))
+        record("folded", compare_logits(folded, reference, ids))
+        record("dla_reconstruction", compare_logits(lambda x: dla_reconstruction(folded, x)[1], logits_fn(folded), ids))
     if bridge:
         try:
             tl = loaded.bridge()
-            with torch.no_grad():
-                record("transformer_lens_bridge", _max_diff(tl(ids), reference))
+            record("transformer_lens_bridge", compare_logits(lambda x: tl(x).cpu(), reference, ids))
         except Exception as err:  # the bridge is one check among several: report, do not crash
             record("transformer_lens_bridge", None, f"{type(err).__name__}: {err}")
     fingerprint = check_fingerprint(source, loaded, tolerance)
@@ -113,6 +104,7 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
         "repr": repr(loaded),
         "tolerance": tolerance,
         "tokens": list(ids.shape),
+        "probe": {"real_text_rows": 0 if real is None else 1, "special_ids": special_ids(config, tokenizer)},
         "seed": seed,
         "norms": loaded.norms,
         "checks": checks,

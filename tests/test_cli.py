@@ -181,6 +181,7 @@ def test_verify_writes_its_report_only_where_asked(tiny_ln_free_export, tmp_path
     result = runner.invoke(app, ["verify", str(tiny_ln_free_export), "--tolerance", "1e-2"])
     assert result.exit_code == 0, result.output
     assert list(tmp_path.iterdir()) == [] and "Loading weights" not in result.output
+    assert "worst token" in result.output and "position" in result.output
     result = runner.invoke(app, ["verify", str(tiny_ln_free_export), "--tolerance", "1e-2", "--out", "report.json"])
     assert result.exit_code == 0 and json.loads((tmp_path / "report.json").read_text())["ok"]
 

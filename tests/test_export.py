@@ -93,3 +93,53 @@ def test_an_eps_beyond_fp32_is_refused_not_written():
     assert choose_eps(1e20) <= MAX_EPS
     with pytest.raises(ExportError, match="cannot be exported in the plain format"):
         choose_eps(7e30)  # would need eps 1e39: inf in fp32
+
+
+def massive_bos_llama():
+    """The reproduction of issue 24: a tiny Llama (vocab 5000, eos 0, BOS 1) whose BOS row is 1000× larger,
+    σ measured on ids that never contain BOS, every norm fixed."""
+    from families import tiny_family
+
+    model = tiny_family("llama", vocab_size=5000, eos_token_id=0)
+    model.config.bos_token_id = 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[1] *= 1000
+    surgery.install(model)
+    surgery.initialise_sigmas(model, [torch.randint(2, 5000, (4, 32), generator=torch.Generator().manual_seed(0))])
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fake()
+    return model
+
+
+def relative_error(plain, model, ids):
+    with torch.no_grad():
+        got, want = plain(input_ids=ids).logits.double(), model(input_ids=ids).logits.double()
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+
+
+def test_the_default_probe_holds_bos_and_the_export_is_measured_exact_on_it(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = massive_bos_llama()
+    folder = write_export(model, tokenizer, tmp_path / "export", {})  # no probe: the default one
+    choice = json.loads((folder / RECORD).read_text())["eps_choice"]
+    assert choice["peak_norm_input"] > 1e5  # BOS was in the probe (random ids alone peak near 1e-3)
+    assert choice["worst_relative_error"] <= 1e-4 and choice["worst_token"]["position"] >= 0
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    starts_with_bos = torch.randint(2, 5000, (2, 16), generator=torch.Generator().manual_seed(3))
+    starts_with_bos[:, 0] = 1
+    assert relative_error(plain, model, starts_with_bos) <= 1e-4
+
+
+def test_the_export_raises_eps_until_its_measured_error_is_within_tolerance(tmp_path, tokenizer, monkeypatch):
+    import lnfree.export as export
+
+    model = massive_bos_llama()
+    monkeypatch.setattr(export, "choose_eps", lambda peak: 1e12)  # as if the peak had been missed
+    folder = write_export(model, tokenizer, tmp_path / "export", {})
+    record = json.loads((folder / RECORD).read_text())
+    assert record["eps"] > 1e12 and record["eps_choice"]["worst_relative_error"] <= 1e-4
+    monkeypatch.setattr(export, "MAX_EPS", 1e12)  # and when no eps is allowed that is exact: refused, nothing written
+    with pytest.raises(ExportError, match="cannot be exported in the plain format"):
+        write_export(model, tokenizer, tmp_path / "refused", {})
+    assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused-*"))

@@ -68,6 +68,10 @@ def test_published_format_with_config_eps_left_at_1e5_loads_exactly(tokenizer, t
     report = verify(tmp_path / "pub", bridge=False)
     assert not report["ok"] and not report["checks"]["transformers.from_pretrained"]["ok"]
     assert report["checks"]["folded"]["ok"] and report["checks"]["dla_reconstruction"]["ok"]
+    # checked on real text with BOS first, special and repeated tokens; the worst token is named with its text
+    assert report["probe"]["real_text_rows"] == 1 and tokenizer.eos_token_id in report["probe"]["special_ids"]
+    worst = report["checks"]["transformers.from_pretrained"]["worst_token"]
+    assert worst["text"] == tokenizer.decode([worst["token_id"]]) and report["tokens"][0] > 4
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])

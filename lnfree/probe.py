@@ -1,0 +1,127 @@
+"""Probe batches that hold what makes a norm input extreme, and the error measured on them.
+
+Real models put their massive activations on the first position (BOS), on special tokens and on
+tokens repeated at the start of a sequence (DESIGN.md §7). Seeded random ids rarely contain any of
+them, so a check on random ids alone can call an export exact that is wrong on the first real
+sequence. A probe here is real text when there is some, plus rows that start with BOS, with every
+special token and with repeated tokens, plus random rows; `export` chooses and checks its eps on
+it and `verify` compares every representation on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: At most this many special token ids get rows of their own (tokenizers with thousands of added
+#: tokens would otherwise make the probe larger than the model's forward budget).
+MAX_SPECIAL_IDS = 32
+#: Worst per-token ‖Δlogits‖ / ‖logits‖ an export may show against the installed model: fp32 rounding
+#: through eps-trick weights of ~1e6 leaves ~1e-5 (the two forms round in different orders).
+RELATIVE_TOLERANCE = 1e-4
+
+# Real text for a model that has no held-out data at hand: plain prose and a little code, written for lnfree.
+SAMPLE_TEXT = (
+    "The committee met on Tuesday to discuss the budget for next year. Most members agreed that the "
+    "library needs new shelves, but nobody could say who would pay for them.\n\n"
+    "def mean(values):\n    return sum(values) / len(values)\n\n"
+    "She opened the window, looked at the rain, and decided to stay at home after all."
+)
+
+
+def sample_tokens(vocab_size: int, n_positions: int, n_sequences: int = 4, length: int = 32, seed: int = 0) -> torch.Tensor:
+    """Seeded random token ids (n_sequences, min(length, n_positions))."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n_sequences, min(length, n_positions)), generator=generator)
+
+
+def special_ids(config, tokenizer=None) -> list[int]:
+    """The model's special token ids (BOS, EOS, pad, unk and the tokenizer's other special tokens), at
+    most `MAX_SPECIAL_IDS` of them, the config's and the named ones first."""
+    named = []
+    for source in (config, tokenizer):
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            value = getattr(source, attr, None) if source is not None else None
+            named.extend(value if isinstance(value, (list, tuple)) else [value])
+    others = list(getattr(tokenizer, "all_special_ids", None) or [])
+    ids = []
+    for value in named + others:
+        if isinstance(value, int) and 0 <= value < config.vocab_size and value not in ids:
+            ids.append(value)
+    return ids[:MAX_SPECIAL_IDS]
+
+
+def _bos(config, tokenizer) -> int | None:
+    for source in (tokenizer, config):
+        value = getattr(source, "bos_token_id", None) if source is not None else None
+        if isinstance(value, int) and 0 <= value < config.vocab_size:
+            return value
+    return None
+
+
+def probe_batch(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, length: int = 64,
+                n_positions: int | None = None, n_random: int = 4, seed: int = 0) -> torch.Tensor:
+    """Input ids (n, L) for checking a model where its activations are largest.
+
+    Rows: `text_ids` (real text, cut to L; L is their length when given), `n_random` seeded random
+    rows, the same with BOS first, and for every special token s: [s, s, s, …] and [BOS, s, s, …],
+    and [BOS, t, t, …] for a few random t (repeated tokens at positions 1–2); random ids fill the rest.
+    """
+    if text_ids is not None:
+        length = text_ids.shape[1]
+    length = min(length, n_positions or length)
+    specials, bos = special_ids(config, tokenizer), _bos(config, tokenizer)
+    repeated = sample_tokens(config.vocab_size, 1, 4, 1, seed + 1)[:, 0].tolist()
+    starts = [[s, s, s] for s in specials]
+    if bos is not None:
+        starts += [[bos]] * n_random + [[bos, s, s] for s in specials] + [[bos, t, t] for t in repeated]
+    rows = sample_tokens(config.vocab_size, length, n_random + len(starts), length, seed)
+    for row, start in zip(rows[n_random:], starts):
+        width = min(len(start), length)
+        row[:width] = torch.tensor(start[:width])
+    return torch.cat([text_ids[:, :length].long(), rows]) if text_ids is not None else rows
+
+
+def worst_token_relative_error(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, int, int]:
+    """The largest per-token ‖logits − reference‖ / ‖reference‖, and its (row, position)."""
+    error = (logits.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)
+    worst = int(error.argmax())
+    return float(error.flatten()[worst]), worst // error.shape[-1], worst % error.shape[-1]
+
+
+def logits_fn(model: torch.nn.Module):
+    """ids → `model`'s logits on CPU (the ids moved to the model's device)."""
+    return lambda ids: model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
+
+
+@torch.no_grad()
+def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> dict:
+    """`model` against `reference` (modules, or callables ids → logits) on `ids`, `batch_size` rows at
+    a time: the largest |Δlogit| and the worst token's relative error and (row, position)."""
+    model, reference = (logits_fn(m) if isinstance(m, torch.nn.Module) else m for m in (model, reference))
+    worst = {"max_abs_diff": 0.0, "worst_token_relative_error": -1.0, "worst_token": None}
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start: start + batch_size]
+        logits, expected = model(batch), reference(batch)
+        worst["max_abs_diff"] = max(worst["max_abs_diff"], (logits.double() - expected.double()).abs().max().item())
+        error, row, position = worst_token_relative_error(logits, expected)
+        if error > worst["worst_token_relative_error"]:
+            worst.update(worst_token_relative_error=error, worst_token=(start + row, position))
+    return worst
+
+
+def text_ids(tokenizer, text: str = SAMPLE_TEXT, length: int = 64) -> torch.Tensor:
+    """(1, ≤ length) ids of `text`, BOS first when the tokenizer has one."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+    return torch.tensor([ids[:length]])
+
+
+def describe_token(ids: torch.Tensor, where: tuple[int, int], tokenizer=None) -> dict:
+    """A (row, position) of `ids` as a JSON-ready dict with the token id and, with a tokenizer, its text."""
+    row, position = where
+    token = int(ids[row, position])
+    out = {"row": row, "position": position, "token_id": token}
+    if tokenizer is not None:
+        out["text"] = tokenizer.decode([token])
+    return out
