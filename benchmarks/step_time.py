@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
 import statistics
 import time
@@ -51,6 +50,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lnfree import surgery
 from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
+from lnfree.runtime import steady_allocator
 from lnfree.train import compile_blocks
 
 PLAIN = "plain"
@@ -59,23 +59,6 @@ SECOND_COPY = ", second copy"  # a control: the baseline again, as a separate de
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def steady_allocator() -> bool:
-    """Make glibc's malloc keep freed memory in the heap instead of returning it to the kernel.
-
-    By default glibc maps every allocation above 32 MB (logits, vocabulary-sized gradients) fresh
-    from the kernel and unmaps it on free, so each step page-faults those tensors in again: slower,
-    and noisy enough that two identical copies of one model differed by up to 12 % in a run here
-    (benchmarks/results/README.md). Returns False where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return all(libc.mallopt(option, value) == 1 for option, value in (
-        (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1), (m_top_pad, 2**30)))
 
 
 def baseline(name: str) -> str:

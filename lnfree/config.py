@@ -91,6 +91,10 @@ class TrainConfig(_Strict):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
+    steady_allocator: bool = Field(
+        True, description="on a CPU, keep freed memory in glibc's heap instead of returning it to the kernel "
+        "(lnfree.runtime): large-vocabulary steps stop page-faulting their logits in again"
+    )
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N complete checkpoints (a big model's are GBs each); None: all"

@@ -42,6 +42,7 @@ from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
 from lnfree.plan import describe_run
+from lnfree.runtime import steady_allocator
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
 from lnfree.timeline import Timeline, blend_length
 
@@ -442,6 +443,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     set_seed(config.train.seed)
+    cpu = accelerator.device.type == "cpu"
+    steady = config.train.steady_allocator and cpu and steady_allocator()  # large vocabularies: lnfree.runtime
     model, tokenizer = load_base(config.model)
     arch = architecture(model)
     slots = [slot for site in arch.sites() for slot in site.slots]
@@ -518,7 +521,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
         log({"event": "start", "step": 0, "held_out_ce": ce_start, "held_out_tokens": scored, "mode": config.removal.mode,
              "precision": precision, "processes": world, "micro_batch_size": micro_batch, "accumulation": accumulation,
-             "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum, **scales()})
+             "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum,
+             "steady_allocator": steady, **scales()})
 
     damping = _damping(config, model, batches, out, resume, accelerator.is_main_process)
     if train.freeze_embeddings:

@@ -33,3 +33,20 @@ def test_step_time_runs_every_variant(tmp_path):
         for name, row in table.items():
             assert all(math.isfinite(row[key]) and row[key] > 0 for key in (
                 "median_ms", "wall_ratio_min", "wall_ratio_median", "cpu_ratio_median", "cpu_best_ratio")), name
+
+
+def test_throughput_runs_lnfree_remove_with_and_without_the_steady_allocator(tmp_path):
+    from lnfree.config import load_preset
+
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny").model_dump_json())
+    out = tmp_path / "throughput"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--config", str(config), "--steps", "5",
+                    "--warmup", "1", "--rounds", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads(out.with_suffix(".json").read_text())
+    glibc = platform.libc_ver()[0] == "glibc"
+    for name, runs in results["runs"].items():
+        assert [r["steady_allocator"] for r in runs] == [glibc and name != "default malloc"], name
+        assert all(len(r["step_seconds"]) == 4 for r in runs)  # steps 2–5
+    assert all(math.isfinite(s["tokens_per_hour"]) and s["tokens_per_hour"] > 0 for s in results["summary"].values())
+    assert "tokens / hour" in out.with_suffix(".txt").read_text()
