@@ -20,12 +20,17 @@ from lnfree.models import load_base
 KL_CHUNK_TOKENS = 2048
 
 
-def teacher_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """The teacher's weight dtype: `auto` is bf16 on a bf16-capable GPU, fp32 elsewhere."""
+def resolve_teacher_dtype(choice: str, bf16_capable: bool) -> torch.dtype:
+    """The teacher's weight dtype for `train.teacher_dtype` = `choice`: `auto` is bf16 where the
+    device computes in bf16 (a GPU), fp32 elsewhere."""
     if choice == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
+        return torch.bfloat16 if bf16_capable else torch.float32
     return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def teacher_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """`resolve_teacher_dtype` on `device` (bf16-capable: a CUDA device that supports it)."""
+    return resolve_teacher_dtype(choice, device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto") -> nn.Module:

@@ -3,7 +3,8 @@
 The prediction adds, per GPU:
 - persistent state: fp32 master weights (4 B/parameter), AdamW's two moments (8 B), fp32
   gradients (4 B, held across micro-batches by gradient accumulation), DDP's gradient buckets
-  (4 B, when more than one process) and, under bf16/fp16 autocast, the 16-bit copies of the
+  (4 B, when more than one process), the last three only for trained parameters
+  (`freeze_embeddings` leaves the token embedding out) and, under bf16/fp16 autocast, the 16-bit copies of the
   matrix weights that autocast makes and the backward keeps (2 B per matrix parameter);
   FSDP (`sharded`) divides the first four by the number of GPUs;
 - activations of one micro-batch kept for the backward, counted per token and layer from the
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.arch.norms import FOLD_ELEMENTS
+from lnfree.distill import resolve_teacher_dtype
 
 GB = 1e9
 #: Share of a GPU's memory a plan may fill: the rest absorbs allocator fragmentation.
@@ -52,6 +54,7 @@ class ModelShape(BaseModel):
     vocab: int = Field(ge=1)
     parameters: int = Field(ge=1, description="every parameter (tied ones once)")
     matrix_parameters: int = Field(ge=0, description="parameters of matmul weights (autocast copies them)")
+    embedding_parameters: int = Field(0, ge=0, description="the token embedding's (`train.freeze_embeddings` freezes it)")
 
 
 class Teacher(BaseModel):
@@ -75,6 +78,7 @@ class Setup(BaseModel):
     gpus: int = Field(1, ge=1)
     sharded: bool = False  # FSDP full shard (else DDP replicas)
     dropout: bool = True
+    freeze_embeddings: bool = False  # the token embedding (and a head tied to it) gets no gradient or optimiser state
     reserve_gb: float = Field(2.0, ge=0, description="CUDA context and allocator fragmentation")
 
 
@@ -124,6 +128,7 @@ def model_shape(config) -> ModelShape:
         family=family, layers=getattr(config, "n_layer", None) or config.num_hidden_layers, hidden=hidden,
         intermediate=intermediate, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         vocab=config.vocab_size, parameters=sum(p.numel() for p in unique), matrix_parameters=matrices,
+        embedding_parameters=model.get_input_embeddings().weight.numel(),
     )
 
 
@@ -170,9 +175,10 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
     if teacher is not None:
         act = 2 if setup.autocast else 4
         teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + (8 + 2 * act) * tokens * shape.vocab
+    trained = p - (shape.embedding_parameters if setup.freeze_embeddings else 0)
     return Prediction(
-        weights=4 * p / shard, optimizer=8 * p / shard, gradients=4 * p / shard,
-        buckets=4 * p / shard if setup.gpus > 1 and not setup.sharded else 0.0,
+        weights=4 * p / shard, optimizer=8 * trained / shard, gradients=4 * trained / shard,
+        buckets=4 * trained / shard if setup.gpus > 1 and not setup.sharded else 0.0,
         autocast_copies=2 * shape.matrix_parameters / shard if setup.autocast else 0.0,
         activations=activations, backward_peak=backward_peak, teacher=teacher_bytes,
         statistics=4 * FOLD_ELEMENTS * (4 * shape.layers + 1), reserve=setup.reserve_gb * GB,
@@ -245,8 +251,8 @@ def run_teacher(config, shape: ModelShape, gpu: bool) -> Teacher | None:
     train = config.train
     if train.distill_alpha <= 0:
         return None
-    bf16 = train.teacher_dtype == "bf16" or (train.teacher_dtype == "auto" and gpu)
-    return Teacher(parameters=shape.parameters, bytes_per_parameter=2 if bf16 else 4)
+    dtype = resolve_teacher_dtype(train.teacher_dtype, bf16_capable=gpu)
+    return Teacher(parameters=shape.parameters, bytes_per_parameter=dtype.itemsize)
 
 
 def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: float, autocast: bool,
@@ -258,7 +264,7 @@ def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: 
     if rest or per_gpu < 1:
         raise ValueError(f"tokens_per_step {train.tokens_per_step} is not a multiple of {gpus} GPU(s) × {context}")
     base = Setup(context=context, micro_batch=1, autocast=autocast, gpus=gpus, sharded=sharded,
-                 dropout=bool(train.dropout))
+                 dropout=bool(train.dropout), freeze_embeddings=train.freeze_embeddings)
     return choose(shape, per_gpu, gpu_memory_gb, base, run_teacher(config, shape, gpu=True))
 
 
@@ -279,6 +285,7 @@ def describe_run(config, model_config, context: int, micro_batch: int, gpus: int
     shape = model_shape(model_config)
     setup = Setup(context=context, micro_batch=micro_batch, checkpointing=config.train.gradient_checkpointing,
                   autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout),
+                  freeze_embeddings=config.train.freeze_embeddings,
                   reserve_gb=Setup.model_fields["reserve_gb"].default if device.type == "cuda" else 0.0)
     prediction = predict(shape, setup, run_teacher(config, shape, gpu=device.type == "cuda"))
     line = f"memory plan: predicted peak {prediction.line()} per device"

@@ -163,6 +163,11 @@ def learning_rate(step: int, config: RunConfig) -> float:
     return train.min_learning_rate + cosine * (train.learning_rate - train.min_learning_rate)
 
 
+def freeze_token_embedding(model: nn.Module) -> None:
+    """`train.freeze_embeddings`: no gradient for the token embedding (nor a head tied to it)."""
+    model.get_submodule(architecture(model).token_embedding).weight.requires_grad_(False)
+
+
 def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, norm weights or embeddings' biases)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -526,7 +531,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
 
     damping = _damping(config, model, batches, out, resume, accelerator.is_main_process)
     if train.freeze_embeddings:
-        model.get_submodule(arch.token_embedding).weight.requires_grad_(False)
+        freeze_token_embedding(model)
     optimizer = make_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from transformers import GPT2Config
 from typer.testing import CliRunner
 
@@ -55,3 +56,19 @@ def test_a_distillation_run_plans_its_teacher():
     assert without.prediction.teacher == 0
     assert with_teacher.prediction.teacher > 2 * XL.parameters  # bf16 weights and the KL's logits
     assert with_teacher.fits and with_teacher.setup.micro_batch <= without.setup.micro_batch
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])  # a tied and an untied head
+def test_frozen_embeddings_leave_the_optimiser_and_gradients_only_what_training_updates(family):
+    from families import tiny_family
+
+    from lnfree.train import freeze_token_embedding
+
+    model = tiny_family(family)
+    shape = model_shape(model.config)
+    freeze_token_embedding(model)
+    trained = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+    assert 0 < trained < shape.parameters
+    frozen = predict(shape, Setup(context=16, micro_batch=1, freeze_embeddings=True))
+    assert frozen.optimizer == 8 * trained and frozen.gradients == 4 * trained
+    assert predict(shape, Setup(context=16, micro_batch=1)).optimizer == 8 * shape.parameters
