@@ -49,6 +49,7 @@ from torch import nn
 
 from lnfree.analysis.common import bootstrap_ci, model_labels, write_summary, write_table
 from lnfree.data import tokenizer_fingerprint
+from lnfree.derived import clear_stale
 
 SCORING_CONVENTION = (
     "each sequence of L tokens scores its L-1 next-token predictions: the target at position t (1 <= t < L) "
@@ -942,6 +943,7 @@ def write_report(report: EvalReport, out_dir: str | Path, *, save_tokens: bool =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _remove_previous_report(out)
+    clear_stale(out)
     written = []
     shared = {"dataset": report.dataset, "settings": report.settings, "convention": report.convention, "units": UNITS}
     for m in report.models:

@@ -38,6 +38,7 @@ from lnfree.arch.norms import second_moment
 from lnfree.ceiling import set_ceiling
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
+from lnfree.derived import STALE_MARKER, mark_derived_outputs
 from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
@@ -373,6 +374,8 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
             raise RunError(f"{out} already holds a different run; choose another output_dir (CLI: -o DIR) or replace "
                            "it with overwrite=True (--overwrite)")
         if overwrite:
+            for folder in mark_derived_outputs(out, skip=RUN_OUTPUTS):
+                logger.warning("%s read a model of the run being replaced: marked %s", folder, STALE_MARKER)
             for name in RUN_OUTPUTS:  # never what the user put beside them (e.g. an eval/ folder)
                 path = out / name
                 if path.is_dir():

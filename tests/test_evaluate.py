@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from lnfree import evaluate as ev
 from lnfree.cli import app
+from lnfree.derived import STALE_MARKER
 from lnfree.tiny import TINY_MODEL_DIR
 
 runner = CliRunner()
@@ -228,12 +229,14 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
 
     # A second evaluation into the same folder replaces the first: no per-model file of it stays behind.
     (out / "notes.txt").write_text("mine")
+    (out / STALE_MARKER).write_text("stale")  # as `lnfree remove --overwrite` leaves it: the new report clears it
     again = runner.invoke(app, [
         "eval", "tiny", "--labels", "alone", "--dataset", "tiny", "--n-sequences", "4", "--out", str(out),
         "--cache-dir", cache, "--bootstrap", "10", "--device", "cpu", "--no-progress"])
     assert again.exit_code == 0, again.output
     assert not any((out / f"{label}.json").exists() for label in ("original", "vanilla", "ln_free"))
     assert (out / "alone.json").is_file() and (out / "notes.txt").read_text() == "mine"
+    assert not (out / STALE_MARKER).exists()
 
 
 def test_bad_input_gives_clear_errors(tmp_path):

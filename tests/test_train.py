@@ -13,6 +13,7 @@ from transformers import BertConfig
 from lnfree import surgery
 from lnfree.config import TrainConfig, with_overrides
 from lnfree.data import DataError
+from lnfree.derived import STALE_MARKER
 from lnfree.export import load_checkpoint
 from lnfree.load import load
 from lnfree.models import ModelError
@@ -140,8 +141,13 @@ def test_output_dir_holding_another_run_is_an_error(run_config):
     assert (first.output_dir / "checkpoints" / "step_000012").exists()
     (first.output_dir / "eval").mkdir()
     (first.output_dir / "eval" / "summary.json").write_text("{}")
+    read_run = {"models": [{"label": "ln_free", "source": str(first.output_dir / "checkpoints" / "step_000012")}]}
+    (first.output_dir / "analysis").mkdir()
+    (first.output_dir / "analysis" / "index.json").write_text(json.dumps(read_run))
     run(run_config(max_steps=13), overwrite=True, progress=False)
     assert (first.output_dir / "eval" / "summary.json").read_text() == "{}"  # not the run's to delete
+    assert not (first.output_dir / "eval" / STALE_MARKER).exists()  # it read no model of the run
+    assert "replaced" in (first.output_dir / "analysis" / STALE_MARKER).read_text()  # it did: marked stale
     assert [c.name for c in (first.output_dir / "checkpoints").iterdir()] == ["step_000013"]
 
 

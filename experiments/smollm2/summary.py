@@ -1,11 +1,14 @@
-"""summary.json of a SmolLM2 massive-neuron stage, from the runs' and the evaluations' own outputs.
+"""summary.json of a modern model's removal stage, from the runs' and the evaluations' own outputs.
 
     python experiments/smollm2/summary.py STAGE --runs runs/smollm2-135m-massive \
         --out experiments/results/smollm2-135m/STAGE --command "experiments/smollm2/massive.sh STAGE"
 
-STAGE is ln_f_only or ln_free. Reads RUNS/STAGE and RUNS/STAGE-vanilla (log.jsonl, summary.json, the
-latest checkpoint's removal state), OUT/eval/summary.json (held-out CE, JSD) and the DLA summary under
-OUT/analysis. Copies each run's log and config beside the summary. Nothing is typed in by hand.
+STAGE is ln_f_only or ln_free (SmolLM2-135M, Gemma 3 270M: the model is the run's own). Reads
+RUNS/STAGE and RUNS/STAGE-vanilla (log.jsonl, the run config, the latest checkpoint's removal
+state), OUT/eval/summary.json (held-out CE, JSD) and the DLA summary under OUT/analysis. Copies each
+run's log and config beside the summary. Nothing is typed in by hand. While the vanilla control is
+not finished (no summary.json in its folder) or not in the evaluation, its numbers are null and
+`pending` says so.
 """
 
 from __future__ import annotations
@@ -53,23 +56,27 @@ def main() -> None:
     evaluation = _json(args.out / "eval" / "summary.json")
     ce = {m["label"]: m["ce"]["mean"] for m in evaluation["models"]}
     jsd = {p["b"]: p["jsd"]["mean"] for p in evaluation["pairs"] if p["a"] == "original"}
+    control_done = (control / "summary.json").is_file() and "vanilla" in ce
+    vanilla_ce = ce["vanilla"] if control_done else None
+    massive = run / "massive_neurons.json"
     summary = {
-        "model": "smollm2-135m",
+        "model": config["model"],
         "stage": args.stage,
         "norms_fixed": sum(state["fake"] for state in norms.values()),
         "norms_total": len(norms),
-        "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": ce["vanilla"],
+        "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": vanilla_ce,
                        "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
-                       "ln_free_minus_vanilla": ce[args.stage] - ce["vanilla"]},
-        "jsd_to_original": {"ln_free": jsd[args.stage], "vanilla": jsd["vanilla"]},
+                       "ln_free_minus_vanilla": None if vanilla_ce is None else ce[args.stage] - vanilla_ce},
+        "jsd_to_original": {"ln_free": jsd[args.stage], "vanilla": jsd["vanilla"] if control_done else None},
         "dla_vs_de_head_nmae": dla_nmae(args.out),
-        "massive_neurons": json.loads((run / "massive_neurons.json").read_text()),
+        **({"massive_neurons": json.loads(massive.read_text())} if massive.is_file() else {}),
         "tokens_trained": config["train"]["max_steps"] * config["train"]["tokens_per_step"],
-        "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control)},
+        "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control) if control_done else None},
         "checkpoint": checkpoint.name,
         "command": args.command,
+        **({} if control_done else {"pending": ["the vanilla control (run the command again to finish it)"]}),
     }
-    for source, tag in ((run, args.stage), (control, "vanilla")):
+    for source, tag in ((run, args.stage), (control, "vanilla")) if control_done else ((run, args.stage),):
         (args.out / tag).mkdir(parents=True, exist_ok=True)
         for name in ("log.jsonl", RUN_CONFIG, "massive_neurons.json"):
             if (source / name).is_file():

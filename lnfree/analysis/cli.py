@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from lnfree.derived import clear_stale
+
 #: Analysis name on the command line → module with a `run(models, out_dir, ...)` function.
 ANALYSES = {
     "dla": "lnfree.analysis.dla",
@@ -87,6 +89,7 @@ def run_analyses(
     }
     write_summary(index, out, "index")
     write_index_pages(index, out)
+    clear_stale(out)
     return index
 
 
