@@ -126,3 +126,18 @@ def test_default_labels_are_unique_and_explicit_ones_must_be():
     assert model_labels(["tiny", "tiny"]) == ["tiny", "tiny #2"]
     with pytest.raises(ValueError, match="must be unique"):
         model_labels(["a", "b"], ["x", "x"])
+
+
+def test_an_analysis_progress_bar_has_a_total_once_the_first_model_is_done():
+    from types import SimpleNamespace
+
+    from lnfree.analysis.common import analysis_progress
+
+    models = [SimpleNamespace(label=label, on_forward=None) for label in ("original", "vanilla", "ln_free")]
+    with analysis_progress(models, "dla") as bar:
+        for _ in range(4):
+            models[0].on_forward("original")
+        assert bar.total is None  # not known yet
+        models[1].on_forward("vanilla")
+        assert bar.total == 12  # 4 passes per model × 3 models: tqdm shows the ETA
+    assert all(m.on_forward is None for m in models)

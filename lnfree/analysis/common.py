@@ -69,12 +69,21 @@ def _report_forwards(network: torch.nn.Module, model: AnalysisModel) -> None:
 
 @contextlib.contextmanager
 def analysis_progress(models: Sequence[AnalysisModel], name: str, *, enabled: bool = True) -> Iterator[Any]:
-    """A progress bar for one analysis: the forward passes run so far and the model running now."""
+    """A progress bar for one analysis: the forward passes run so far and the model running now.
+
+    An analysis runs the same passes for every model, so once the first model is done the bar's
+    total is its count times the number of models, and tqdm shows the ETA from then on.
+    """
     from tqdm.auto import tqdm
 
     bar = tqdm(desc=name, unit="pass", disable=not enabled, leave=False, dynamic_ncols=True)
+    first: list[str] = []
 
     def tick(label: str) -> None:
+        if not first:
+            first.append(label)
+        elif bar.total is None and label != first[0]:
+            bar.total = bar.n * len(models)
         bar.set_postfix_str(f"model={label}", refresh=False)
         bar.update(1)
 
