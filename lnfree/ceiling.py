@@ -17,7 +17,11 @@ norms.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+
+import torch
 
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -55,3 +59,19 @@ def set_ceiling(model: nn.Module, ceiling: float) -> None:
     for module in model.modules():
         if isinstance(module, ScaleState):
             module.ceiling = ceiling
+
+
+@contextlib.contextmanager
+def watching(model: nn.Module) -> Iterator[Callable[[], int]]:
+    """Count, inside the block, the tokens whose divisor the ceiling raised at any norm of `model`;
+    yields a function that returns the count (one device sync). A count of 0 means the forward passes
+    in the block computed the model without its ceiling (up to fp32 rounding: the guarded route
+    rounds differently)."""
+    states = [m for m in model.modules() if isinstance(m, ScaleState)]
+    for state in states:
+        state.ceiling_hits = torch.zeros((), dtype=torch.long, device=state.sigma.device)
+    try:
+        yield lambda: int(sum(int(state.ceiling_hits) for state in states))
+    finally:
+        for state in states:
+            state.ceiling_hits = None

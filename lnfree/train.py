@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.arch.norms import second_moment
-from lnfree.ceiling import set_ceiling
+from lnfree.ceiling import set_ceiling, watching
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.derived import STALE_MARKER, mark_derived_outputs
@@ -634,13 +634,20 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             log(record)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            record = {"event": "eval", "step": done, "held_out_ce": eval_ce().item(), "held_out_tokens": scored,
-                      **scales()}
-            if ceiling is not None and not math.isinf(ceiling_now):  # what the model is without its guard
+            guarded = ceiling is not None and not math.isinf(ceiling_now)
+            with watching(bare) as ceiling_hits:
+                ce, scale_values = eval_ce().item(), scales()
+                hits = ceiling_hits() if guarded else None
+            record = {"event": "eval", "step": done, "held_out_ce": ce, "held_out_tokens": scored, **scale_values}
+            if hits:  # what the model is without its guard
                 set_ceiling(bare, math.inf)
                 record.update(held_out_ce_unguarded=eval_ce().item(),
                               **{f"{k}_unguarded": v for k, v in scales().items()})
                 set_ceiling(bare, ceiling_now)
+            elif hits == 0:  # the ceiling never engaged: those passes computed the unguarded model (up to rounding)
+                record.update(held_out_ce_unguarded=ce, **{f"{k}_unguarded": v for k, v in scale_values.items()})
+            if guarded:
+                record["ceiling_hits"] = hits
             log(record)
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,

@@ -14,7 +14,7 @@ import torch
 from families import FAMILIES, tiny_family
 from lnfree import surgery
 from lnfree.arch.norms import FixedScaleNorm, ScaleState, real_norm
-from lnfree.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling
+from lnfree.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling, watching
 from lnfree.config import with_overrides
 from lnfree.train import run
 
@@ -67,6 +67,26 @@ def test_a_ceiling_nothing_reaches_changes_no_logit_and_a_low_one_bounds_a_runaw
     assert float(bounded) < 100 * float(plain.abs().max())
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_watching_counts_the_tokens_the_ceiling_raised_and_zero_means_the_unguarded_passes(family):
+    ids = torch.randint(2, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = all_fixed(family, ids)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        set_ceiling(model, 1e9)
+        with watching(model) as hits:
+            guarded = model(input_ids=ids).logits
+            assert hits() == 0
+        # the same function (the guarded route rounds differently): the training loop logs it as unguarded
+        torch.testing.assert_close(guarded, plain, rtol=1e-5, atol=1e-5)
+        model.get_input_embeddings().weight[int(ids[0, 3])] *= 1e4
+        set_ceiling(model, 4.0)
+        with watching(model) as hits:
+            model(input_ids=ids)
+            assert hits() > 0
+    assert all(s.ceiling_hits is None for s in surgery.scale_states(model).values())
+
+
 def test_the_ceiling_holds_then_rises_geometrically_and_is_gone():
     ceiling = ScaleCeiling(ratio=8, release_steps=10)
     assert ceiling.release_at(100) == 80
@@ -89,6 +109,7 @@ def test_a_guarded_run_logs_the_model_without_its_guard_resumes_exactly_and_ends
     evals = [r for r in records if r.get("event") == "eval"]
     assert all("held_out_ce_unguarded" in r for r in evals if r["step"] <= 15)
     assert all(math.isfinite(r["held_out_ce_unguarded"]) for r in evals if r["step"] <= 15)
+    assert all(r["ceiling_hits"] > 0 or r["held_out_ce_unguarded"] == r["held_out_ce"] for r in evals if r["step"] <= 15)
     assert all(s.ceiling == math.inf for s in surgery.scale_states(full.model).values())
     saved = json.loads((full.output_dir / "run_config.json").read_text())
     assert saved["removal"]["scale_ceiling"]["ratio"] == 3.0

@@ -201,6 +201,7 @@ class ScaleState(nn.Module):
         # A training-time guard (lnfree.ceiling), never saved: a fixed or blending norm divides by at
         # least (real per-token scale) / ceiling, so no token leaves a fixed norm above `ceiling`× σ.
         self.ceiling = math.inf
+        self.ceiling_hits: torch.Tensor | None = None  # counted only while `lnfree.ceiling.watching`
         self._refresh_mirrors()
 
     # ----- Python mirrors of the flag buffers (read without a device sync) -----
@@ -421,7 +422,7 @@ class ScaleState(nn.Module):
         real = torch.sqrt(second_moment(h, self.kind) + self.eps).unsqueeze(-1)
         scale = self.mix * real + (1 - self.mix) * self.token_sigma(x.shape[:-1])
         if self.guarded:
-            scale = torch.maximum(scale, real / self.ceiling)
+            scale = self._count_hits(scale, real / self.ceiling)
         out = (centre(h, self.kind) / scale).to(x.dtype) * weight
         return out if bias is None else out + bias
 
@@ -429,7 +430,13 @@ class ScaleState(nn.Module):
         """Per-token divisor max(σ, real scale / ceiling), shape (..., 1): below the ceiling the fixed
         norm exactly; above it, the real norm times the ceiling (gradient included)."""
         real = torch.sqrt(second_moment(x.float(), self.kind) + self.eps).unsqueeze(-1)
-        return torch.maximum(sigma, real / self.ceiling)
+        return self._count_hits(sigma, real / self.ceiling)
+
+    def _count_hits(self, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        """max(scale, floor), counting the tokens where the floor wins while watched."""
+        if self.ceiling_hits is not None:
+            self.ceiling_hits += (floor > scale).sum()
+        return torch.maximum(scale, floor)
 
 
 class FixedScaleNorm(nn.Module):
