@@ -362,9 +362,10 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
     out = Path(config.output_dir)
     previous = out / RUN_CONFIG
     if previous.exists():
-        # A run folder may have been moved: compare everything but where it lives.
-        stored = {**json.loads(previous.read_text()), "output_dir": config.output_dir}
-        same = stored == json.loads(config.model_dump_json())
+        # A run folder may have been moved: compare everything but where it lives. Read through the
+        # config class, so that a field added since the run started compares at its default.
+        stored = RunConfig.model_validate({**json.loads(previous.read_text()), "output_dir": config.output_dir})
+        same = json.loads(stored.model_dump_json()) == json.loads(config.model_dump_json())
         if resume and not same:
             raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
         if not resume and not overwrite:
