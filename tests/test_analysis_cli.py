@@ -38,6 +38,12 @@ def test_analyze_all_writes_every_analysis_and_an_index(tiny_ln_free_export, tmp
     for figure in (Path(p) for s in index["analyses"].values() for p in s["figures"] if p.endswith(".html")):
         html = figure.read_text()
         assert 'src="../plotly.min.js"' in html and "cdn.plot.ly" not in html, figure
+    # one report: headline tables first, then every figure inline, loading the one plotly.js; stable element ids
+    report = (out / "index.html").read_text()
+    figures = [Path(p) for s in index["analyses"].values() for p in s["figures"] if p.endswith(".html")]
+    assert report.count("class=\"plotly-graph-div\"") == len(figures) and report.count("plotly.min.js") == 1
+    assert report.index("Headline numbers") < report.index("plotly-graph-div")
+    assert 'id="dla-dla_global_nmae"' in report and "neurons (layer.neuron)" in report
     # a progress bar per analysis; no weight-loading bars of other libraries
     assert all(re.search(rf"{name}: \d+pass", result.stderr) for name in index["analyses"]), result.stderr
     assert "Loading weights" not in result.stderr

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from lnfree.analysis.report import write_index_pages
 from lnfree.derived import clear_stale
 
 #: Analysis name on the command line → module with a `run(models, out_dir, ...)` function.
@@ -91,77 +92,6 @@ def run_analyses(
     write_index_pages(index, out)
     clear_stale(out)
     return index
-
-
-def _ci(value: float, low: float | None, high: float | None) -> str:
-    if low is None or high is None:
-        return f"{value:.3g}"
-    return f"{value:.3g} [{low:.3g}, {high:.3g}]"
-
-
-def headline_numbers(name: str, summary: dict) -> dict[str, dict[str, str]]:
-    """The few numbers per model that an analysis is read for (metric → model → formatted value)."""
-    rows: dict[str, dict[str, str]] = {}
-    if name == "dla":
-        for label, entry in summary["models"].items():
-            heads = entry["heads"]
-            rows.setdefault("DLA vs DE: global NMAE, heads [95% CI]", {})[label] = _ci(heads["nmae"], heads["ci_low"], heads["ci_high"])
-    elif name == "patching":
-        for label, entry in summary["models"].items():
-            for kind, agreement in entry["agreement"].items():
-                for metric, what in (("nmae_per_prompt", "mean per-prompt NMAE"), ("pearson_r", "mean per-prompt Pearson r")):
-                    stat = agreement[metric]
-                    key = f"attribution vs activation patching ({kind}): {what} [95% CI]"
-                    rows.setdefault(key, {})[label] = _ci(stat["value"], stat.get("ci_low"), stat.get("ci_high"))
-    elif name == "entropy-neurons":
-        last = list(summary["ablations"])[-1]
-        for label, entry in summary["per_model"].items():
-            stats = entry["ablations"][last]
-            key = f"mean-ablating {last} ({' '.join(summary['ablations'][last])}): entropy change % [95% CI]"
-            rows.setdefault(key, {})[label] = _ci(stats["relative_entropy_change_percent"],
-                                                  stats.get("relative_entropy_change_percent_lo"),
-                                                  stats.get("relative_entropy_change_percent_hi"))
-            rows.setdefault(f"median abs ΔH ({last})", {})[label] = f"{stats['median_abs_delta_entropy']:.3g}"
-    elif name == "residual":
-        for label, entry in summary["models"].items():
-            for definition, rate in entry["sink_rate"].items():
-                rows.setdefault(f"attention sink rate ({definition}, τ={summary['threshold']})", {})[label] = f"{rate:.3f}"
-            rows.setdefault("max residual norm ratio, position 0 / rest", {})[label] = f"{entry['max_norm_ratio_position_0']:.3g}"
-    return rows
-
-
-def write_index_pages(index: dict, out: Path) -> None:
-    """`index.md` and `index.html` linking every figure and table, relative to `out`."""
-    md = ["# lnfree analyses", "", "| model | source |", "|---|---|"]
-    md += [f"| {label} | `{info['source']}` |" for label, info in index["models"].items()]
-    page = ["<!doctype html><meta charset='utf-8'><title>lnfree analyses</title><h1>lnfree analyses</h1><ul>"]
-    page += [f"<li><b>{html.escape(label)}</b>: {html.escape(info['repr'])}</li>" for label, info in index["models"].items()]
-    page.append("</ul>")
-    labels = list(index["models"])
-    for name, summary in index["analyses"].items():
-        md += ["", f"## {name}", ""]
-        page.append(f"<h2>{html.escape(name)}</h2>")
-        headlines = headline_numbers(name, summary)
-        if headlines:
-            md += ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-            md += [f"| {metric} | " + " | ".join(values.get(l, "") for l in labels) + " |" for metric, values in headlines.items()]
-            md.append("")
-            page.append("<table border='1'><tr><th></th>" + "".join(f"<th>{html.escape(l)}</th>" for l in labels) + "</tr>")
-            page += ["<tr><td>" + html.escape(metric) + "</td>" + "".join(f"<td>{html.escape(values.get(l, ''))}</td>" for l in labels) + "</tr>"
-                     for metric, values in headlines.items()]
-            page.append("</table>")
-        page.append("<ul>")
-        for kind in ("figures", "tables"):
-            for path in summary.get(kind, []):
-                rel = Path(path).resolve().relative_to(out.resolve()).as_posix()
-                md.append(f"- [{rel}]({rel})")
-                page.append(f"<li><a href='{html.escape(rel)}'>{html.escape(rel)}</a></li>")
-        page.append("</ul>")
-    for name, reason in index.get("skipped", {}).items():
-        md += ["", f"## {name}", "", f"Skipped: {reason}"]
-        page.append(f"<h2>{html.escape(name)}</h2><p>Skipped: {html.escape(reason)}</p>")
-    (out / "index.md").write_text("\n".join(md) + "\n")
-    (out / "index.html").write_text("\n".join(page) + "\n")
 
 
 def analyze(

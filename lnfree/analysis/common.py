@@ -268,7 +268,9 @@ def write_figure(figure, out_dir: str | Path, name: str) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     html = out_dir / f"{name}.html"
-    figure.write_html(html, include_plotlyjs=_local_plotly_js(out_dir))
+    # A fixed element id (not plotly's random one): the same figure gives the same file, and the
+    # report (`lnfree.analysis.report`) can inline it beside the others.
+    figure.write_html(html, include_plotlyjs=_local_plotly_js(out_dir), div_id=f"{out_dir.name}-{name}")
     written = [html]
     try:
         figure.write_image(out_dir / f"{name}.png")

@@ -535,7 +535,7 @@ def _heatmap_figure(label: str, result: PatchingResult):
             ), row=r, col=c)  # fmt: skip
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(title=f"{label}: IOI patching, mean over {len(p)} prompts (1 = the clean−corrupted gap)",
-                      height=380 * len(kinds), width=1200)  # fmt: skip
+                      height=380 * len(kinds))  # fmt: skip
     return fig
 
 
@@ -561,7 +561,7 @@ def _scatter_figure(results: dict[str, PatchingResult]):
             fig.update_xaxes(title_text="activation patching", row=r, col=c)
             fig.update_yaxes(title_text="attribution patching", row=r, col=c)
     fig.update_layout(title="Attribution vs activation patching per cell and prompt (normalised)",
-                      height=420 * max(len(kinds), 1), width=420 * max(len(labels), 1))  # fmt: skip
+                      height=420 * max(len(kinds), 1))  # fmt: skip
     return fig
 
 
@@ -584,7 +584,7 @@ def _agreement_figure(agreement_rows: list[dict]):
                          "arrayminus": [r["value"] - r["ci_low"] for r in rows]},
             ), row=1, col=c)  # fmt: skip
     fig.update_layout(barmode="group", title="Attribution vs activation patching agreement (95% bootstrap CI)",
-                      height=450, width=1000)  # fmt: skip
+                      height=450)  # fmt: skip
     return fig
 
 
