@@ -365,9 +365,11 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
         # A run folder may have been moved: compare everything but where it lives. Read through the
         # config class, so that a field added since the run started compares at its default.
         stored = RunConfig.model_validate({**json.loads(previous.read_text()), "output_dir": config.output_dir})
-        same = json.loads(stored.model_dump_json()) == json.loads(config.model_dump_json())
+        same = _trajectory(stored) == _trajectory(config)
         if resume and not same:
             raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
+        if resume and stored != config:  # only how it is logged or checkpointed changed
+            logger.warning("resuming %s with new %s", out, ", ".join(sorted(_bookkeeping_changes(stored, config))))
         if not resume and not overwrite:
             if same:
                 raise RunError(f"{out} already holds this same run; continue it with resume=True (CLI: --resume) or "
@@ -390,9 +392,29 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
     elif out.exists() and any(out.iterdir()) and not overwrite:
         raise RunError(f"{out} is not empty and holds no lnfree run; choose another output_dir (CLI: --output-dir)")
     out.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))
+    (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))
     return out
+
+
+#: Config fields that change how a run is logged, evaluated or checkpointed, not what it trains: a run
+#: may resume with other values (the run config then records the new ones).
+BOOKKEEPING_FIELDS = {"train": ("eval_every", "log_every", "save_every", "keep_checkpoints", "report_to",
+                                "steady_allocator")}
+
+
+def _trajectory(config: RunConfig) -> dict:
+    """`config` as JSON without its bookkeeping fields: two configs equal here train the same model."""
+    data = json.loads(config.model_dump_json())
+    for section, names in BOOKKEEPING_FIELDS.items():
+        for name in names:
+            data[section].pop(name, None)
+    return data
+
+
+def _bookkeeping_changes(old: RunConfig, new: RunConfig) -> list[str]:
+    return [f"{section}.{name} ({getattr(getattr(old, section), name)} → {getattr(getattr(new, section), name)})"
+            for section, names in BOOKKEEPING_FIELDS.items() for name in names
+            if getattr(getattr(old, section), name) != getattr(getattr(new, section), name)]
 
 
 def save_checkpoint(

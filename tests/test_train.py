@@ -232,3 +232,19 @@ def test_only_the_newest_checkpoints_are_kept_when_asked(run_config, tmp_path):
     everything = run(with_overrides(config, {"train.keep_checkpoints": None, "output_dir": str(tmp_path / "all")}),
                      progress=False)
     assert len(list((everything.output_dir / "checkpoints").iterdir())) == 4
+
+
+def test_a_run_resumes_with_another_eval_and_save_cadence_but_not_another_recipe(run_config):
+    config = run_config(max_steps=12, save_every=6)
+    first = run(config, progress=False)
+    out = first.output_dir
+    shutil.rmtree(out / "checkpoints" / "step_000012")
+    with pytest.raises(RunError, match="different config"):
+        run(with_overrides(config, {"train.seed": 7}), resume=True, progress=False)
+    resumed = run(with_overrides(config, {"train.eval_every": 3, "train.save_every": 3}), resume=True, progress=False)
+    assert json.loads((out / "run_config.json").read_text())["train"]["eval_every"] == 3  # the new cadence, recorded
+    evals = [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r.get("event") == "eval"]
+    assert evals == [9]  # after step 6, every 3 steps (the last step's CE is the run's end record)
+    assert (out / "checkpoints" / "step_000009").is_dir()
+    for name, value in first.model.state_dict().items():  # bookkeeping changes nothing of what is trained
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
