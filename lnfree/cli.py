@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from lnfree.analysis.cli import analyze
+from lnfree.layout import CONTROL, RUN_CONFIG, SUMMARY
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm/RMSNorm from pretrained language models (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia) by fine-tuning.")
 
@@ -148,7 +149,7 @@ def remove(
         cfg = with_overrides(cfg, override or [])
         cfg = _adapt_micro_batch(cfg, named, override or [])
         check_model_source(cfg.model)
-    if resume and not (Path(cfg.output_dir) / "run_config.json").is_file():
+    if resume and not (Path(cfg.output_dir) / RUN_CONFIG).is_file():
         _fail(f"nothing to resume in {cfg.output_dir}: it holds no lnfree run (drop --resume to start one)")
     if lr is not None and cfg.train.min_learning_rate > lr:
         cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
@@ -188,8 +189,8 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
         result = run(cfg, resume=resume, overwrite=overwrite)
         control_result = None
         if run_control:
-            control_cfg = with_overrides(cfg, {"removal.mode": "vanilla", "output_dir": str(Path(cfg.output_dir) / "control")})
-            control_resume = resume and (Path(control_cfg.output_dir) / "run_config.json").exists()
+            control_cfg = with_overrides(cfg, {"removal.mode": "vanilla", "output_dir": str(Path(cfg.output_dir) / CONTROL)})
+            control_resume = resume and (Path(control_cfg.output_dir) / RUN_CONFIG).exists()
             control_result = run(control_cfg, resume=control_resume, overwrite=False)
         from accelerate import PartialState
 
@@ -197,9 +198,9 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
             return
         out = result.output_dir
         runs = [result] + ([control_result] if control_result is not None else [])
-        if all(r.already_finished for r in runs) and (out / "summary.json").exists():
+        if all(r.already_finished for r in runs) and (out / SUMMARY).exists():
             typer.echo(f"{out} is finished already: nothing changed")
-            typer.echo("\n".join(_summary_lines(json.loads((out / "summary.json").read_text()))))
+            typer.echo("\n".join(_summary_lines(json.loads((out / SUMMARY).read_text()))))
             return
         summary = {
             "model": cfg.model,
@@ -227,7 +228,7 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
                 summary["partial"] = (f"{what}: no plain export; lnfree.load, verify, eval and analyze read the run "
                                       f"folder {out}")
             summary["ce_gap_ln_free_minus_original"] = result.held_out_ce_end - result.held_out_ce_start
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / SUMMARY).write_text(json.dumps(summary, indent=1))
     typer.echo("\n".join(_summary_lines(summary)))
     typer.echo(f"summary: {out / 'summary.json'} (this invocation: {time.perf_counter() - started:.1f} s)")
 
@@ -318,7 +319,7 @@ def export(
 
     if not checkpoint.exists():
         _fail(f"no such folder: {checkpoint}")
-    if (checkpoint / "run_config.json").exists():
+    if (checkpoint / RUN_CONFIG).exists():
         checkpoint = latest_checkpoint(checkpoint) or _fail(f"no complete checkpoint in {checkpoint}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         _fail(f"{out} already exists and is not empty; pass --overwrite to replace it")

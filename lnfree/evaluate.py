@@ -50,6 +50,7 @@ from torch import nn
 from lnfree.analysis.common import bootstrap_ci, model_labels, write_summary, write_table
 from lnfree.data import tokenizer_fingerprint
 from lnfree.derived import clear_stale
+from lnfree.layout import RUN_CONFIG, TRAINER_STATE
 
 SCORING_CONVENTION = (
     "each sequence of L tokens scores its L-1 next-token predictions: the target at position t (1 <= t < L) "
@@ -332,7 +333,7 @@ def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
     from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, resolve_model_source
 
     location = resolve_model_source(source)
-    if (Path(location) / "run_config.json").is_file() or (Path(location) / "trainer_state.json").is_file():
+    if (Path(location) / RUN_CONFIG).is_file() or (Path(location) / TRAINER_STATE).is_file():
         raise EvalError(f"{source} is an lnfree run or checkpoint; --form plain needs a transformers model "
                         "folder or Hub id (use --form hf or folded)")
     module = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, local_files_only=Path(location).exists())

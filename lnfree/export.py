@@ -31,6 +31,7 @@ from lnfree.arch import architecture
 from lnfree.arch.base import set_norm_eps, v_mask
 from lnfree.arch.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
+from lnfree.layout import EXPORT, RUN_CONFIG, TOKENIZER
 from lnfree.massive import NEURONS_FILE
 from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, probe_batch
 
@@ -280,11 +281,7 @@ def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | Non
     The record holds the run config, the removal events and the held-out CE (by default the run's
     original and LN-free values; pass `held_out_ce` to add e.g. the vanilla control's).
     """
-    from transformers import AutoTokenizer
-
-    from lnfree.train import TOKENIZER
-
-    out = Path(out) if out is not None else result.output_dir / "export"
+    out = Path(out) if out is not None else result.output_dir / EXPORT
     neurons = result.output_dir / NEURONS_FILE  # the MLP neurons the run damped out (lnfree.massive)
     record = {
         "run_config": json.loads(result.config.model_dump_json()),
@@ -298,8 +295,6 @@ def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | Non
 
 def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, object, RunConfig]:
     """Rebuild the installed model of a training checkpoint: (model, tokenizer, run config)."""
-    from lnfree.train import RUN_CONFIG, TOKENIZER
-
     checkpoint = Path(checkpoint)
     run_dir = checkpoint.parent.parent
     weights = checkpoint / "model.safetensors"

@@ -31,6 +31,7 @@ from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
 from lnfree.arch.norms import FixedScaleNorm, ScaleState
 from lnfree.export import EPS_TRICK_EPS, RECORD, load_checkpoint
 from lnfree.fold import FoldError, fold
+from lnfree.layout import TRAINER_STATE
 from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, load_config, resolve_model_source
 
 
@@ -125,7 +126,7 @@ def _is_lnfree_checkpoint(path: Path) -> Path | None:
 
     if (path / RUN_CONFIG).is_file():
         return latest_checkpoint(path)
-    if (path / "trainer_state.json").is_file() and (path / "model.safetensors").is_file():
+    if (path / TRAINER_STATE).is_file() and (path / "model.safetensors").is_file():
         return path
     return None
 

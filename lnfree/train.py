@@ -39,6 +39,7 @@ from lnfree.ceiling import set_ceiling, watching
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.derived import STALE_MARKER, mark_derived_outputs
+from lnfree.layout import CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE  # noqa: F401
 from lnfree.distill import kl_to_teacher, load_teacher
 from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
@@ -47,14 +48,7 @@ from lnfree.runtime import steady_allocator
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
 from lnfree.timeline import Timeline, blend_length
 
-RUN_CONFIG = "run_config.json"
-CHECKPOINTS = "checkpoints"
-TOKENIZER = "tokenizer"
-TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint folder without it is incomplete
-PARTIAL = ".partial-"
 SCALE_SEQUENCES = 8  # held-out sequences on which the massive-activation scales are logged
-#: What lnfree writes in a run folder ("lnfree": the trackers' logs); --overwrite removes only these.
-RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, "log.jsonl", "start.json", "summary.json", "export", "control", "lnfree")
 
 logger = logging.getLogger("lnfree")
 
@@ -525,7 +519,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
     loader = DeviceBatches(batches, accelerator.process_index, accelerator.device)
     momentum = train.sigma_momentum ** (batches.sequences_per_step / train.sigma_momentum_sequences)
-    log_path = out / "log.jsonl"
+    log_path = out / LOG
 
     def log(record: dict) -> None:
         if accelerator.is_main_process:
@@ -549,7 +543,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                     for i in range(train.sigma_init_batches))
             surgery.initialise_sigmas(model, init)
         if accelerator.is_main_process:
-            (out / "start.json").write_text(json.dumps({"held_out_ce": ce_start}))
+            (out / START).write_text(json.dumps({"held_out_ce": ce_start}))
         log({"event": "start", "step": 0, "held_out_ce": ce_start, "held_out_tokens": scored, "mode": config.removal.mode,
              "precision": precision, "processes": world, "micro_batch_size": micro_batch, "accumulation": accumulation,
              "data": data.description, "data_stats": data.stats, "sigma_momentum_per_step": momentum,
@@ -573,7 +567,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             timeline.load_state_dict(state["timeline"], accelerator.device)
         else:  # checkpoints of an older lnfree (fixed gaps only)
             timeline.skip_to(start_step)
-        ce_start = json.loads((out / "start.json").read_text())["held_out_ce"]
+        ce_start = json.loads((out / START).read_text())["held_out_ce"]
         if start_step >= train.max_steps:
             logger.info("%s finished at step %d already: nothing to resume", out, start_step)
             ce_end = state["held_out_ce"] if "held_out_ce" in state else eval_ce().item()  # older runs: measure
