@@ -251,7 +251,6 @@ def _write_checked(model: nn.Module, folder: Path, ids: torch.Tensor, eps: float
                 return plain, eps, None
             reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
             measured = compare_logits(reloaded.to(next(model.parameters()).device), model, ids)
-            measured["eps"] = eps
             if measured["worst_token_relative_error"] <= RELATIVE_TOLERANCE:
                 return plain, eps, measured
             if eps * 10 > MAX_EPS:

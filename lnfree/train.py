@@ -39,8 +39,8 @@ from lnfree.ceiling import set_ceiling, watching
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.derived import STALE_MARKER, mark_derived_outputs
-from lnfree.layout import CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE  # noqa: F401
 from lnfree.distill import kl_to_teacher, load_teacher
+from lnfree.layout import CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE  # noqa: F401
 from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
 from lnfree.models import load_base
 from lnfree.plan import describe_run
@@ -468,8 +468,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     set_seed(config.train.seed)
-    cpu = accelerator.device.type == "cpu"
-    steady = config.train.steady_allocator and cpu and steady_allocator()  # large vocabularies: lnfree.runtime
+    on_cpu = accelerator.device.type == "cpu"
+    steady = config.train.steady_allocator and on_cpu and steady_allocator()  # large vocabularies: lnfree.runtime
     model, tokenizer = load_base(config.model)
     arch = architecture(model)
     slots = [slot for site in arch.sites() for slot in site.slots]
