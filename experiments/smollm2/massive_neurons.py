@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,9 +34,13 @@ from lnfree.arch import architecture
 from lnfree.config import DataConfig
 from lnfree.data import prepare_data
 from lnfree.export import load_checkpoint
+from lnfree.layout import LOG
 from lnfree.massive import find_massive_neurons, massive_scales, scale_neurons
 from lnfree.models import load_base
 from lnfree.train import checkpoints
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modern"))
+from scales_over_training import figure, scales_over_training  # noqa: E402  (one home for it)
 
 FACTORS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.0)
 
@@ -98,37 +103,6 @@ def end_of_damping_checkpoint(run: Path) -> Path:
     return found[0]
 
 
-def scales_over_training(run: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    rows = [{k: r[k] for k in ("step", "held_out_ce", "position0_scale", "outlier_scale")} for r in records
-            if r.get("event") in ("start", "eval", "end") and "position0_scale" in r]
-    removals = [r["step"] for r in records if r.get("event") == "remove" and "sigma" in r]  # not special σ
-    for row in rows:
-        row["norms_switched"] = sum(step < row["step"] for step in removals)
-    return rows
-
-
-def figure(rows: list[dict], out: Path) -> None:
-    import pandas as pd
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    from lnfree.analysis.common import write_figure
-
-    table = pd.DataFrame(rows)
-    table.to_csv(out / "scales_over_training.csv", index=False)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for key, name in (("position0_scale", "position 0"), ("outlier_scale", "most extreme other token")):
-        fig.add_trace(go.Scatter(x=table["step"], y=table[key], name=f"{name} (RMS / median, max over norms)"))
-    fig.add_trace(go.Scatter(x=table["step"], y=table["held_out_ce"], name="held-out CE (nats)",
-                             line={"dash": "dot"}), secondary_y=True)
-    fig.update_yaxes(type="log", title_text="scale at the norm inputs", secondary_y=False)
-    fig.update_yaxes(title_text="held-out CE", secondary_y=True)
-    fig.update_layout(title="SmolLM2-135M: massive activations over the damped removal run", width=900, height=450,
-                      xaxis_title="optimiser step")
-    write_figure(fig, out, "scales_over_training")
-
-
 def _runaway(rows: list[dict]) -> list[str]:
     """The fastest-growing token's path, in the last finite state and (if it diverged) one block further."""
     def path(row: dict) -> str:
@@ -188,12 +162,12 @@ def main() -> None:
         damped, _, _ = load_checkpoint(checkpoint)
         result["ln2_top_down"]["end_of_damping"] = ln2_fixed_top_down(damped, tokenizer, train, held_out)
         result["end_of_damping_checkpoint"] = str(checkpoint)
-        result["over_training"] = scales_over_training(args.run)
+        result["over_training"] = scales_over_training(args.run / LOG)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "tables.md").write_text(tables(result))
     if "over_training" in result:
-        figure(result["over_training"], args.out)
+        figure(result["over_training"], args.out, "SmolLM2-135M (damped removal)")
     print(tables(result))
     print(f"→ {args.out}")
 
