@@ -2,10 +2,9 @@
 
 glibc maps every allocation above 32 MB (logits over a large vocabulary, their gradients, the
 distillation's softmaxes) fresh from the kernel and unmaps it on free, so every training step
-page-faults those tensors in again. Measured on this project's 2-core CPU, a Gemma 3 270M step
-(4 × 64 tokens, vocabulary 262,144, teacher forward included) takes 10.5 s by default and 7.2 s
-with freed memory kept (`benchmarks/throughput.py`); on small vocabularies the two are within
-noise (`benchmarks/results/README.md`).
+page-faults those tensors in again. `benchmarks/throughput.py` measures what keeping freed memory
+changes for a real run (Gemma 3 270M: vocabulary 262,144, teacher forward included); on small
+vocabularies the two are within noise (`benchmarks/results/README.md`).
 """
 
 from __future__ import annotations
