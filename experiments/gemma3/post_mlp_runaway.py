@@ -1,0 +1,75 @@
+"""Why the Gemma 3 270M removal broke at the MLP-output norms of its lowest blocks: from the last good
+checkpoint, fix the remaining `post_mlp` norms one more at a time *without training* and measure.
+
+    python experiments/gemma3/post_mlp_runaway.py runs/gemma3-270m/ln_free/checkpoints/step_000600 \
+        --out experiments/results/gemma3-270m/ln_free/post_mlp_runaway
+
+The run (`experiments/gemma3/ln_free.toml`) fixed every input-side norm, every `post_attn` and the
+`post_mlp` of blocks 17–8 by step 600 (held-out CE 3.237); blending in blocks 5–2 from step 626 on,
+its gradient norm rose from ~8 to 10⁵ and its CE to 7.7. Each row here starts from the checkpoint and
+fixes post_mlp of blocks 7…k at their frozen σ (the EMA the run measured): the held-out CE (8
+sequences × 64 tokens, BOS first), the residual stream's largest per-token RMS over the median token's
+(position 0 aside) at any block, where it is and which token, and position 0's. Writes results.json and
+tables.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from lnfree import surgery
+from lnfree.config import DataConfig
+from lnfree.data import bos_token, prepare_data
+from lnfree.export import load_checkpoint
+
+
+def measure(model, tokens: torch.Tensor, tokenizer) -> dict:
+    """Held-out CE and the most extreme residual-stream token (RMS over the median token, per block)."""
+    with torch.no_grad():
+        result = model(input_ids=tokens, labels=tokens, output_hidden_states=True)
+    rms = torch.stack(result.hidden_states).float().pow(2).mean(-1).sqrt()  # (blocks + 1, batch, positions)
+    rest = rms[:, :, 1:]
+    ratio = rest / rest.flatten(1).median(dim=1).values[:, None, None]
+    block, row, position = (int(i) for i in torch.unravel_index(ratio.nan_to_num(float("inf")).argmax(), ratio.shape))
+    pos0 = rms[:, :, 0] / rest.flatten(1).median(dim=1).values[:, None]
+    return {"ce": float(result.loss), "max_ratio": float(ratio[block, row, position]), "at_block": block,
+            "token": tokenizer.decode([int(tokens[row, position + 1])]), "position": position + 1,
+            "position0_max_ratio": float(pos0.max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--n-sequences", type=int, default=8)
+    args = parser.parse_args()
+    model, tokenizer, config = load_checkpoint(args.checkpoint)
+    data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences),
+                        tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
+    tokens = data.eval_batch(args.n_sequences)
+    states = surgery.scale_states(model)
+    real = [slot for slot, state in states.items() if slot.endswith("post_mlp") and not state.is_fake]
+    real.sort(key=lambda slot: -int(slot.split(".")[1]))  # the run's order: top block first
+    rows = [{"fixed": f"checkpoint as trained ({sum(s.is_fake for s in states.values())} of {len(states)} fixed)",
+             **measure(model, tokens, tokenizer)}]
+    for slot in real:
+        states[slot].switch_to_fake()
+        rows.append({"fixed": f"+ {slot}", **measure(model, tokens, tokenizer)})
+        print(rows[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": rows}, indent=1))
+    lines = [f"# Fixing the remaining post_mlp norms of {args.checkpoint.name} without training", "",
+             "| fixed (cumulative) | held-out CE | max token RMS / median (block) | token (position) | position 0 / median |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['fixed']} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} ({r['position']}) | "
+              f"{r['position0_max_ratio']:.3g} |" for r in rows]
+    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
