@@ -156,15 +156,37 @@ def remove(
     run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
     started = time.perf_counter()
     try:
-        _remove_and_report(cfg, resume, overwrite, run_control, started)
+        with _sigterm_as_interrupt():
+            _remove_and_report(cfg, resume, overwrite, run_control, started)
     except KeyboardInterrupt:
         _interrupted(Path(cfg.output_dir))
     finally:
         close_distributed()
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a scheduler, `kill`, torchrun stopping its workers) ends a run as Ctrl-C does: with where
+    it stands and how to resume it. Background jobs started from a shell ignore SIGINT, so this is how
+    they are stopped."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _interrupted(out: Path) -> None:
-    """Ctrl-C during `lnfree remove`: say where the run stands and how to continue it; exit 130."""
+    """Ctrl-C (or SIGTERM) during `lnfree remove`: say where the run stands and how to continue it; exit 130."""
     import shlex
     import sys
 

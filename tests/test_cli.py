@@ -233,3 +233,26 @@ def test_schedule_of_a_gpt2_preset_needs_no_hub(monkeypatch):
     result = runner.invoke(app, ["schedule", "--preset", "gpt2-xl"])
     assert result.exit_code == 0, result.output
     assert "48 blocks" in result.output
+
+
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path, model_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import quick_run_config
+
+    config = quick_run_config(tmp_path / "run", model_dir, tmp_path / "cache", max_steps=400, save_every=2)
+    (tmp_path / "long.json").write_text(config.model_dump_json())
+    process = subprocess.Popen([sys.executable, "-m", "lnfree", "remove", "--config", str(tmp_path / "long.json"),
+                                "--set", "removal.mode=vanilla", "--no-control"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "run" / "checkpoints").glob("step_*/trainer_state.json")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "interrupted: the run in" in stderr and stderr.strip().endswith("--resume")
