@@ -47,6 +47,17 @@ def test_analyze_all_writes_every_analysis_and_an_index(tiny_ln_free_export, tmp
     # a progress bar per analysis; no weight-loading bars of other libraries
     assert all(re.search(rf"{name}: \d+pass", result.stderr) for name in index["analyses"]), result.stderr
     assert "Loading weights" not in result.stderr
+    # written again from the same models: byte-identical results; wall-clock seconds only in timings.json
+    timings = {p for p in out.rglob("timings.json")}
+    assert timings == {out / "timings.json", out / "patching" / "timings.json", out / "entropy-neurons" / "timings.json"}
+    assert set(json.loads((out / "timings.json").read_text())["seconds"]) == set(index["analyses"])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p not in timings}
+    again = runner.invoke(app, ["analyze", "all", "--models", "tiny", str(tiny_ln_free_export),
+                                "--labels", "original", "ln_free", *SMALL, "--n-bootstrap", "20", "--out", str(out)])
+    assert again.exit_code == 0, again.output
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p not in timings}
+    assert sorted(after) == sorted(before)
+    assert [p.relative_to(out) for p in before if before[p] != after[p]] == []
 
 
 def own_model(folder: Path, names) -> Path:

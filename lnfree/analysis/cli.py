@@ -38,7 +38,7 @@ def run_analyses(
     ``skipped``; the others still run. Figures share one offline copy of plotly.js in `out`.
     """
     from lnfree.analysis.common import (NotApplicable, analysis_progress, evaluation_tokens, load_models,
-                                        quiet_libraries, shared_plotly_js, write_summary)  # fmt: skip
+                                        quiet_libraries, shared_plotly_js, write_summary, TIMINGS)  # fmt: skip
     from lnfree.data import bos_token, tokenizer_fingerprint
 
     unknown = [n for n in names if n not in ANALYSES]
@@ -59,7 +59,7 @@ def run_analyses(
             tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
                                        vocab_size=next(iter(vocab.values())), cache_dir=cache_dir,
                                        bos_token_id=bos_token(models[0].loaded.model, models[0].tokenizer))
-        summaries, skipped = {}, {}
+        summaries, skipped, timings = {}, {}, {}
         for name in names:
             started = time.perf_counter()
             module = importlib.import_module(ANALYSES[name])
@@ -77,9 +77,9 @@ def run_analyses(
                 skipped[name] = str(err)
                 typer.secho(f"{name}: skipped: {err}", fg=typer.colors.YELLOW, err=True)
                 continue
-            summary["seconds"] = round(time.perf_counter() - started, 1)
+            timings[name] = round(time.perf_counter() - started, 1)
             summaries[name] = summary
-            typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {summary['seconds']} s → {out / name}")
+            typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {timings[name]} s → {out / name}")
     index = {
         "models": {m.label: {"source": str(m.loaded.source), "repr": repr(m.loaded)} for m in models},
         "data": data if tokens is not None else None,
@@ -89,6 +89,7 @@ def run_analyses(
         "skipped": skipped,
     }
     write_summary(index, out, "index")
+    write_summary({"seconds": timings}, out, TIMINGS)
     write_index_pages(index, out)
     clear_stale(out)
     return index

@@ -280,6 +280,11 @@ def write_figure(figure, out_dir: str | Path, name: str) -> list[Path]:
     return written
 
 
+#: The summary (timings.json) of an analysis's wall-clock seconds: kept out of the result summaries, so
+#: that results written again from the same models are byte-identical (only this file changes).
+TIMINGS = "timings"
+
+
 def write_summary(summary: dict, out_dir: str | Path, name: str = "summary") -> Path:
     """Write a JSON summary (numbers, settings, seeds, file list)."""
     path = Path(out_dir) / f"{name}.json"

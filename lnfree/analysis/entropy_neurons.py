@@ -77,7 +77,7 @@ import pandas as pd
 import torch
 
 from lnfree.analysis.common import (
-    AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
+    TIMINGS, AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
 )
 from lnfree.bridge import hook_name, norm_centres, norm_weight
 from lnfree.evaluate import token_statistics
@@ -714,7 +714,6 @@ def run(
                 for n in selected if n[0] == rank_layer
             },
             "ablations": ablations_summary,
-            "timing_s": timings[m.label],
         }
 
     tables = {
@@ -749,6 +748,7 @@ def run(
         "figures": figure_paths,
     }
     write_summary(summary, out_dir)
+    write_summary({"seconds": timings}, out_dir, TIMINGS)
     return summary
 
 
