@@ -49,7 +49,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
 from lnfree import surgery
-from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
+from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
 from lnfree.runtime import steady_allocator
 from lnfree.train import compile_blocks
 

@@ -36,7 +36,7 @@ def fixed_export(model, tokenizer, probe: torch.Tensor, folder: Path) -> dict:
     surgery.install(model)
     surgery.initialise_sigmas(model, probe.split(4))
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     write_export(model, tokenizer, folder, {"note": "export exactness: σ measured, no fine-tuning"}, probe=probe)
     return exactness(folder)
 

@@ -80,7 +80,7 @@ from torch import nn
 
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps
-from lnfree.arch.norms import FixedScaleNorm
+from lnfree.fixedscale.norms import FixedScaleNorm
 
 __all__ = [
     "HOOK_NAMES",
@@ -147,11 +147,7 @@ def _build_bridge_from_module():
 
 def _check(model: nn.Module) -> Architecture:
     arch = architecture(model)
-    if not getattr(model.config, "scale_attn_weights", True):
-        raise ValueError(
-            "config.scale_attn_weights=False is not supported: TransformerLens' GPT-2 bridge always "
-            "scales attention scores by 1/sqrt(d_head)"
-        )
+    arch.check_bridge()
     return arch
 
 
@@ -377,7 +373,7 @@ def fixed_final_norm(bridge: Any) -> Optional[FixedFinalNorm]:
     if _is_normalised(bridge):
         return None
     norm = getattr(bridge.ln_final, "original_component", None)
-    if not isinstance(norm, FixedScaleNorm) or not norm.state.is_fake or norm.state.wants_context:
+    if not isinstance(norm, FixedScaleNorm) or not norm.state.is_fixed or norm.state.wants_context:
         return None
     scale = (norm.weight.detach().double() / norm.state.sigma.double())
     bias = norm.bias.detach().double() if norm.bias is not None else None
@@ -518,9 +514,9 @@ def _output_norm_factor(bridge: Any, layer: int, store: dict[str, torch.Tensor])
     if f"post_scale{layer}" in store:
         return weight / store[f"post_scale{layer}"]
     if isinstance(norm, FixedScaleNorm):
-        if norm.state.is_fake and not norm.state.wants_context:
+        if norm.state.is_fixed and not norm.state.wants_context:
             return weight / norm.state.sigma.to(x.dtype)
-        if norm.state.is_fake or norm.state.is_blending:
+        if norm.state.is_fixed or norm.state.is_blending:
             raise ValueError(f"block {layer}'s attention-output norm has a per-token σ: no per-head split")
         eps = norm.state.eps
     else:

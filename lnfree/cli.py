@@ -244,7 +244,7 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
                 summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
             else:  # a plain model has one eps for every norm: only the run's checkpoints hold a partial removal
                 states = surgery.scale_states(result.model).values()
-                fixed = sum(s.is_fake for s in states)
+                fixed = sum(s.is_fixed for s in states)
                 what = (f"{fixed} of {len(states)} norms fixed" if fixed < len(states)
                         else "every norm fixed but a special σ still active")
                 summary["partial"] = (f"{what}: no plain export; lnfree.load, verify, eval and analyze read the run "

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lnfree import __version__, surgery
 from lnfree.arch import architecture
 from lnfree.arch.base import set_norm_eps, v_mask
-from lnfree.arch.norms import ScaleState, second_moment
+from lnfree.fixedscale.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
 from lnfree.layout import EXPORT, RUN_CONFIG, TOKENIZER
 from lnfree.massive import NEURONS_FILE
@@ -106,7 +106,7 @@ def _set_norm(norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, 
     if state.is_blending:
         raise ExportError(BLENDING)
     with torch.no_grad():
-        if state.is_fake:
+        if state.is_fixed:
             set_norm_eps(norm, eps)
             norm.weight.copy_(weight.double() * math.sqrt(eps) / state.sigma.double() - offset)
         else:
@@ -146,7 +146,7 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
     arch = architecture(model)
     complete = surgery.is_fully_removed(model)
     if not complete and not allow_partial:
-        real = [name for name, s in surgery.scale_states(model).items() if not s.is_fake]
+        real = [name for name, s in surgery.scale_states(model).items() if not s.is_fixed]
         raise ExportError(f"{len(real)} norms are still real (e.g. {real[0]}); pass allow_partial to export anyway")
     config = copy.deepcopy(model.config)
     if complete:
@@ -164,16 +164,16 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
         norm = plain.get_submodule(site.module)
         state = installed.qk if site.split else installed.state
         if site.split:
-            if installed.qk.is_fake != installed.v.is_fake:
+            if installed.qk.is_fixed != installed.v.is_fixed:
                 raise ExportError(f"{site.module}: the Q/K and V paths differ (one real, one fixed); export after both")
             if installed.v.wants_context:
                 raise ExportError("a special σ (EOT) is still active; the eps-trick format cannot hold it")
             if installed.v.is_blending:
                 raise ExportError(BLENDING)
         _set_norm(norm, installed.weight, installed.bias, state, eps, arch.norm_weight_offset)
-        if site.split and state.is_fake:
+        if site.split and state.is_fixed:
             _fold_v_ratio(plain, site, installed, arch)
-        if state.is_fake:
+        if state.is_fixed:
             fixed_names.append(site.module)
     if arch.tied:
         plain.tie_weights()

@@ -88,7 +88,7 @@ def fold(model: nn.Module) -> nn.Module:
     """
     arch = architecture(model)
     states = surgery.scale_states(model)
-    real = [name for name, s in states.items() if not s.is_fake]
+    real = [name for name, s in states.items() if not s.is_fixed]
     if real:
         raise FoldError(f"only fixed-scale norms can be folded; {len(real)} are real (e.g. {real[0]})")
     if any(s.wants_context for s in states.values()):

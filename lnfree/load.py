@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lnfree import surgery
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
-from lnfree.arch.norms import FixedScaleNorm, ScaleState
+from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState
 from lnfree.export import EPS_TRICK_EPS, RECORD, load_checkpoint
 from lnfree.fold import FoldError, fold
 from lnfree.layout import TRAINER_STATE
@@ -59,8 +59,8 @@ class LoadedModel:
         """Per norm slot: {'fixed': bool, 'sigma': float | None} (σ None when folded into the weight)."""
         out = {}
         for name, state in surgery.scale_states(self.model).items():
-            sigma = float(state.sigma) if state.is_fake and self.sigma_known else None
-            out[name] = {"fixed": state.is_fake, "sigma": sigma}
+            sigma = float(state.sigma) if state.is_fixed and self.sigma_known else None
+            out[name] = {"fixed": state.is_fixed, "sigma": sigma}
         return out
 
     @property
@@ -115,7 +115,7 @@ def with_norm_modules(model: nn.Module) -> nn.Module:
         eps = norm_eps(norm)
         if eps >= EPS_TRICK_THRESHOLD:
             state = ScaleState(arch.eps, arch.norm_kind).to(norm.weight.device)
-            state.switch_to_fake()
+            state.switch_to_fixed()
             plain.set_submodule(site.module, FixedScaleNorm((norm.weight + arch.norm_weight_offset) / math.sqrt(eps),
                                                           getattr(norm, "bias", None), state))
     return plain.to(next(model.parameters()).dtype)
@@ -188,12 +188,12 @@ def _from_plain(plain: nn.Module, record: dict | None) -> tuple[nn.Module, bool]
         sigma = sigmas.get(site.slots[0], 1.0)
         norm.weight.mul_(sigma / scale)
         first.sigma.fill_(sigma)
-        first.switch_to_fake()
+        first.switch_to_fixed()
         if site.split:
             sigma_v = sigmas.get(site.slots[1], sigma)
             _undo_v_ratio(model, site, norm, sigma / sigma_v)
             norm.v.sigma.fill_(sigma_v)
-            norm.v.switch_to_fake()
+            norm.v.switch_to_fixed()
     return model, bool(sigmas) and bool(fixed)
 
 
@@ -253,7 +253,7 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedMod
             raise LoadError(f"could not load {source!r}: {err}") from err
         record = _record(location, local)
         model, sigma_known = _from_plain(plain, record)
-        fixed = sum(s.is_fake for s in surgery.scale_states(model).values())
+        fixed = sum(s.is_fixed for s in surgery.scale_states(model).values())
         kind = "lnfree export" if record else ("eps-trick checkpoint" if fixed else "plain model")
     return LoadedModel(model.to(dtype), tokenizer, source, kind, sigma_known)
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.arch import architecture
-from lnfree.arch.norms import second_moment
+from lnfree.fixedscale.norms import second_moment
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"

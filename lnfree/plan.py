@@ -18,21 +18,19 @@ The prediction adds, per GPU:
   default), its logits and the student's (kept for the KL), and the KL's fp32 log-probabilities
   of both, which its backward keeps (8 B + 2 logits per token and vocabulary entry);
 - the per-token scales real norms gathered for σ and not yet summed (`ScaleState.gather`): fewer
-  than `FOLD_ELEMENTS` per norm (4 B each), counted for four norms per layer (Qwen3's; an upper
-  bound for the other families);
+  than `FOLD_ELEMENTS` per scale state (4 B each);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
 `benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from lnfree.arch.norms import FOLD_ELEMENTS
+from lnfree.arch import architecture
+from lnfree.fixedscale.norms import FOLD_ELEMENTS
 from lnfree.distill import resolve_teacher_dtype
 
 GB = 1e9
@@ -45,13 +43,14 @@ class ModelShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    family: Literal["gpt2", "llama", "gpt_neox"]
+    family: str
     layers: int = Field(ge=1)
     hidden: int = Field(ge=1)
     intermediate: int = Field(ge=1)
-    heads: int = Field(ge=1)
-    kv_heads: int = Field(ge=1)
+    block_fp32: int = Field(ge=0, description="elements per token a block keeps in fp32 for its backward")
+    block_low: int = Field(ge=0, description="… and in the autocast dtype (`Architecture.block_activations`)")
     vocab: int = Field(ge=1)
+    scale_states: int = Field(1, ge=1, description="the norms' scale states once installed (`lnfree.surgery`)")
     parameters: int = Field(ge=1, description="every parameter (tied ones once)")
     matrix_parameters: int = Field(ge=0, description="parameters of matmul weights (autocast copies them)")
     embedding_parameters: int = Field(0, ge=0, description="the token embedding's (`train.freeze_embeddings` freezes it)")
@@ -112,49 +111,30 @@ def _size(nbytes: float) -> str:
 
 
 def model_shape(config) -> ModelShape:
-    """The shape of a transformers causal-LM config, with parameter counts from a meta-device model."""
+    """The shape of a transformers causal-LM config of a supported family (its adapter's answers), with
+    parameter counts from a meta-device model."""
     from transformers import AutoModelForCausalLM
 
+    arch = architecture(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     unique = {id(p): p for p in model.parameters()}.values()
     matrices = sum(m.weight.numel() for m in model.modules()
                    if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
-    family = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}.get(config.model_type, "llama")
-    hidden = getattr(config, "n_embd", None) or config.hidden_size
-    heads = getattr(config, "n_head", None) or config.num_attention_heads
-    intermediate = getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * hidden
+    fp32, low = arch.block_activations()
     return ModelShape(
-        family=family, layers=getattr(config, "n_layer", None) or config.num_hidden_layers, hidden=hidden,
-        intermediate=intermediate, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        vocab=config.vocab_size, parameters=sum(p.numel() for p in unique), matrix_parameters=matrices,
+        family=arch.family, layers=arch.n_layers, hidden=arch.hidden, intermediate=arch.intermediate,
+        block_fp32=fp32, block_low=low, vocab=config.vocab_size, scale_states=sum(len(s.slots) for s in arch.sites()),
+        parameters=sum(p.numel() for p in unique), matrix_parameters=matrices,
         embedding_parameters=model.get_input_embeddings().weight.numel(),
     )
 
 
 def activation_bytes_per_token(shape: ModelShape, autocast: bool, dropout: bool) -> tuple[float, float]:
-    """(bytes one block saves for its backward, bytes of its input) per token.
-
-    Counted from what each family's block keeps (PyTorch SDPA attention, no T² scores):
-    residual-stream tensors and norm statistics in fp32, matmul inputs/outputs in the autocast
-    dtype, dropout masks as bytes.
-    GPT-2: both norm inputs (fp32); ln_1 output, Q/K/V, attention output and its contiguous copy,
-    ln_2 output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output (5 × 4d).
-    Llama: per norm its input and normalised value (fp32) and output; RoPE'd Q and K, V, attention
-    output, o_proj input; the MLP's gate, up, SiLU and product.
-    GPT-NeoX: as GPT-2 with an exact GELU (its input and output).
-    """
-    d, ff = shape.hidden, shape.intermediate
-    kv = d * shape.kv_heads // shape.heads
-    act = 2 if autocast else 4
-    if shape.family == "gpt2":
-        fp32, low = 2 * d, 7 * d + 5 * ff
-    elif shape.family == "llama":
-        fp32, low = 4 * d, 5 * d + 2 * kv + 4 * ff
-    else:
-        fp32, low = 2 * d, 7 * d + 2 * ff
-    masks = 2 * d if dropout else 0
-    return fp32 * 4 + low * act + masks, 4 * d
+    """(bytes one block saves for its backward, bytes of its input) per token: the elements its family's
+    adapter counts (`Architecture.block_activations`), the autocast ones in 2 bytes, plus dropout masks."""
+    masks = 2 * shape.hidden if dropout else 0
+    return shape.block_fp32 * 4 + shape.block_low * (2 if autocast else 4) + masks, 4 * shape.hidden
 
 
 def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> Prediction:
@@ -181,7 +161,7 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
         buckets=4 * trained / shard if setup.gpus > 1 and not setup.sharded else 0.0,
         autocast_copies=2 * shape.matrix_parameters / shard if setup.autocast else 0.0,
         activations=activations, backward_peak=backward_peak, teacher=teacher_bytes,
-        statistics=4 * FOLD_ELEMENTS * (4 * shape.layers + 1), reserve=setup.reserve_gb * GB,
+        statistics=4 * FOLD_ELEMENTS * shape.scale_states, reserve=setup.reserve_gb * GB,
     )
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.arch.base import column_selector, norm_eps
-from lnfree.arch.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, TokenContext
+from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, TokenContext
 from lnfree.schedule import Event
 
 SPECIALS = {"pos0_special": "pos0", "eot_special": "eot"}
@@ -96,14 +96,16 @@ def install(
         else:
             state = ScaleState(eps, arch.norm_kind, special_pos0=pos0).to(device)
             model.set_submodule(site.module, FixedScaleNorm(weight, bias, state))
+    states = _find_states(model)
     if special_pos0 or special_eot:
         if eot_token_id is None:
             eot_token_id = model.config.eos_token_id
         context = TokenContext(eot_token_id)
         model.register_forward_pre_hook(context, with_kwargs=True)
-        for state in scale_states(model).values():
+        for state in states.values():
             state.context = context
     model.__class__ = installed_class(type(model))
+    model._lnfree_states = states  # found once: the training loop reads them every step
     return model
 
 
@@ -111,6 +113,11 @@ def scale_states(model: nn.Module) -> dict[str, ScaleState]:
     """All scale states of an installed model, by slot name, in block order."""
     if not is_installed(model):
         raise ValueError("no lnfree norms in this model; call lnfree.surgery.install first")
+    states = getattr(model, "_lnfree_states", None)
+    return dict(states) if states is not None else _find_states(model)
+
+
+def _find_states(model: nn.Module) -> dict[str, ScaleState]:
     states: dict[str, ScaleState] = {}
     for site in architecture(model).sites():
         module = model.get_submodule(site.module)
@@ -183,10 +190,10 @@ def apply_event(model: nn.Module, event: Event, fraction: float = 1.0) -> list[s
 
 
 def removal_state(model: nn.Module) -> dict[str, dict]:
-    """A JSON-ready description of every slot: real or fake, and its σ (reads device values)."""
+    """A JSON-ready description of every slot: real or fixed, and its σ (reads device values)."""
     out = {}
     for name, state in scale_states(model).items():
-        entry = {"fake": state.is_fake, "sigma": float(state.sigma)}
+        entry = {"fixed": state.is_fixed, "sigma": float(state.sigma)}
         if state.is_blending:
             entry["fixed_fraction"] = 1 - float(state.mix)
         if state.has_pos0:
@@ -202,5 +209,5 @@ def removal_state(model: nn.Module) -> dict[str, dict]:
 
 
 def is_fully_removed(model: nn.Module) -> bool:
-    """True once every norm is fake and no special σ is still in use."""
-    return all(s.is_fake and not s.wants_context for s in scale_states(model).values())
+    """True once every norm is fixed and no special σ is still in use."""
+    return all(s.is_fixed and not s.wants_context for s in scale_states(model).values())

@@ -33,8 +33,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lnfree import surgery
+from lnfree.amend import AmendError, amendment
 from lnfree.arch import architecture
-from lnfree.arch.norms import second_moment
+from lnfree.fixedscale.norms import second_moment
 from lnfree.ceiling import set_ceiling, watching
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
@@ -352,17 +353,23 @@ def quiet_libraries():
             hf_logging.enable_progress_bar()
 
 
-def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Path:
+def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool, n_layer: int) -> list[str]:
     out = Path(config.output_dir)
-    previous = out / RUN_CONFIG
+    previous, amended = out / RUN_CONFIG, []
     if previous.exists():
         # A run folder may have been moved: compare everything but where it lives. Read through the
         # config class, so that a field added since the run started compares at its default.
         stored = RunConfig.model_validate({**json.loads(previous.read_text()), "output_dir": config.output_dir})
         same = _trajectory(stored) == _trajectory(config)
         if resume and not same:
-            raise RunError(f"{out} holds a run with a different config; cannot resume it with this one")
-        if resume and stored != config:  # only how it is logged or checkpointed changed
+            step = json.loads((_resume_checkpoint(out) / TRAINER_STATE).read_text())["step"]
+            try:
+                amended = amendment(stored, config, step, n_layer, learning_rate, BOOKKEEPING_FIELDS)
+            except AmendError as error:
+                raise RunError(f"{out} holds a run with a different config; cannot resume it with this one: "
+                               f"{error}") from None
+            logger.warning("amending %s from step %d: %s", out, step, ", ".join(amended))
+        if resume and _bookkeeping_changes(stored, config):  # how it is logged or checkpointed changed
             logger.warning("resuming %s with new %s", out, ", ".join(sorted(_bookkeeping_changes(stored, config))))
         if not resume and not overwrite:
             if same:
@@ -387,7 +394,7 @@ def _prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool) -> Pat
         raise RunError(f"{out} is not empty and holds no lnfree run; choose another output_dir (CLI: --output-dir)")
     out.mkdir(parents=True, exist_ok=True)
     (out / RUN_CONFIG).write_text(config.model_dump_json(indent=2))
-    return out
+    return amended
 
 
 #: Config fields that change how a run is logged, evaluated or checkpointed, not what it trains: a run
@@ -490,8 +497,9 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             "the held-out CE averages only %s tokens (data.min_held_out_tokens = %s): it is noisy; raise "
             "data.val_fraction or data.eval_sequences", f"{scored:,}", f"{config.data.min_held_out_tokens:,}",
         )
+    amended = []
     if accelerator.is_main_process:
-        _prepare_output_dir(config, resume, overwrite)
+        amended = _prepare_output_dir(config, resume, overwrite, arch.n_layers)
         if not resume:
             tokenizer.save_pretrained(Path(config.output_dir) / TOKENIZER)
     accelerator.wait_for_everyone()
@@ -577,6 +585,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if accelerator.is_main_process:
             _truncate_log(log_path, start_step)
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
+        if amended:
+            log({"event": "amend", "step": start_step, "changed": amended})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
     norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 else None
     ceiling, ceiling_now = (config.removal.scale_ceiling if removing else None), -1.0

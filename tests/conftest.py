@@ -83,7 +83,7 @@ def tiny_ln_free_export(tmp_path_factory):
     ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(0))
     surgery.initialise_sigmas(model, [ids])
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     folder = tmp_path_factory.mktemp("tiny") / "ln_free"
     write_export(model, tokenizer, folder, {"note": "test fixture: σ measured, no fine-tuning"})
     return folder

@@ -17,13 +17,13 @@ sigmas = torch.stack([state.sigmas() for state in surgery.scale_states(result.mo
 gathered = [torch.zeros_like(sigmas) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, sigmas)
 flags = [torch.zeros(len(surgery.scale_states(result.model))) for _ in range(dist.get_world_size())]
-dist.all_gather(flags, torch.tensor([float(s.is_fake) for s in surgery.scale_states(result.model).values()]))
+dist.all_gather(flags, torch.tensor([float(s.is_fixed) for s in surgery.scale_states(result.model).values()]))
 events = [None] * dist.get_world_size()
 dist.all_gather_object(events, result.events)
 if dist.get_rank() == 0:
     with open(sys.argv[2], "w") as f:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-                   "sigmas": [g.tolist() for g in gathered], "fake": [f.tolist() for f in flags],
+                   "sigmas": [g.tolist() for g in gathered], "fixed": [f.tolist() for f in flags],
                    "events": events, "held_out_ce_end": result.held_out_ce_end}, f)
 close_distributed()
 # Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate

@@ -183,7 +183,7 @@ def test_dla_refuses_a_partially_ln_free_model(tokens):
     surgery.initialise_sigmas(model, [tokens])
     for name, state in surgery.scale_states(model).items():
         if name.endswith("ln_2"):
-            state.switch_to_fake()  # ln_2 fixed-scale, ln_1 and ln_f still real
+            state.switch_to_fixed()  # ln_2 fixed-scale, ln_1 and ln_f still real
     partial = LoadedModel(model, None, "partial", "test", True)
     with pytest.raises(ValueError, match="partially LN-free"):
         dla.dla_and_direct_effect(partial.bridge(), tokens)
@@ -200,7 +200,7 @@ def test_dla_equals_de_when_only_the_final_norm_is_fixed(family, tokens):
     ids = tokens % model.config.vocab_size
     surgery.install(model)
     surgery.initialise_sigmas(model, [ids])
-    surgery.scale_states(model)["ln_f"].switch_to_fake()
+    surgery.scale_states(model)["ln_f"].switch_to_fixed()
     partial = AnalysisModel("ln_f_only", LoadedModel(model, None, "partial", "test", True))
     result = dla.dla_and_direct_effect(partial.bridge(), ids, batch_size=2)
     assert (result.dla.double() - result.de).abs().max() < 1e-5

@@ -217,7 +217,7 @@ def planted(tmp_path_factory):
     ids = torch.randint(0, len(tokenizer), (8, 32), generator=gen)
     surgery.initialise_sigmas(installed, [ids])
     for state in surgery.scale_states(installed).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     write_export(installed, tokenizer, root / "ln_free", {"note": "planted entropy neuron"})
     models = load_models([str(root / "original"), str(root / "ln_free")], ["original", "ln_free"])
     assert not models[0].ln_free and models[1].ln_free

@@ -35,7 +35,7 @@ def fully_fixed(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
     for name, state in surgery.scale_states(model).items():
         if name.endswith("ln_1v"):
             state.sigma.mul_(1.3)
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 
@@ -196,7 +196,7 @@ def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family,
     full = run(config, progress=False)
     assert surgery.is_fully_removed(full.model)
     state = json.loads((full.output_dir / "checkpoints/step_000004/trainer_state.json").read_text())["removal_state"]
-    assert 0 < sum(s["fake"] for s in state.values()) < len(state)  # mid-removal
+    assert 0 < sum(s["fixed"] for s in state.values()) < len(state)  # mid-removal
 
     moved = tmp_path / "moved"
     shutil.copytree(full.output_dir, moved)

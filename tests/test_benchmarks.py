@@ -29,7 +29,6 @@ def test_step_time_runs_every_variant(tmp_path):
     for site, variants in results["sites"].items():
         assert {"plain", "plain, second copy", "lnfree real (gathering)", "lnfree fixed"} <= set(variants), site
     for table in [*results["steps"].values(), *results["sites"].values()]:
-        assert table["plain"]["cpu_ratio_median"] == 1.0
         for name, row in table.items():
             assert all(math.isfinite(row[key]) and row[key] > 0 for key in (
                 "median_ms", "wall_ratio_min", "wall_ratio_median", "cpu_ratio_median", "cpu_best_ratio")), name

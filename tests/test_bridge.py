@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lnfree.bridge import (  # noqa: E402
     bridge_from_folded,
+    bridge_with_own_norms,
     bridge_from_layernorm,
     bridge_logits,
     direct_logit_attribution,
@@ -351,3 +352,12 @@ def test_folded_bridge_with_tied_bias_free_head(tokenizer):
     err = (bridge_logits(bridge, ids) - hf_logits(model, ids)).abs().max().item()
     assert err < TOL, err
     assert model.lm_head.bias is None and "bias" not in model.lm_head._buffers  # caller untouched
+
+
+def test_a_gpt2_without_scaled_attention_is_refused_by_the_bridge():
+    from conftest import small_gpt2
+
+    model = small_gpt2()
+    model.config.scale_attn_weights = False
+    with pytest.raises(ValueError, match="scale_attn_weights=False is not supported"):
+        bridge_with_own_norms(model)

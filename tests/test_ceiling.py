@@ -13,7 +13,7 @@ import torch
 
 from families import FAMILIES, tiny_family
 from lnfree import surgery
-from lnfree.arch.norms import FixedScaleNorm, ScaleState, real_norm
+from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState, real_norm
 from lnfree.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling, watching
 from lnfree.config import with_overrides
 from lnfree.train import run
@@ -44,7 +44,7 @@ def all_fixed(family: str, ids: torch.Tensor):
     model = surgery.install(tiny_family(family))
     surgery.initialise_sigmas(model, [ids])
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 

@@ -41,7 +41,7 @@ def test_compiled_blocks_follow_every_switch_like_eager(family):
     for slot in switches:
         if slot is not None:
             for s in states:
-                s[slot].switch_to_fake()
+                s[slot].switch_to_fixed()
         (logits_e, grads_e), (logits_c, grads_c) = train_forward(eager, ids), train_forward(compiled, ids)
         torch.testing.assert_close(logits_c, logits_e, rtol=TOLERANCE, atol=TOLERANCE)
         for g_c, g_e in zip(grads_c, grads_e):
@@ -62,7 +62,7 @@ def test_no_graph_breaks_in_a_block_with_installed_norms(family, state):
     model = surgery.install(tiny_family(family), special_pos0=state != "fixed").train()
     if state != "real":
         for slot_state in surgery.scale_states(model).values():
-            slot_state.switch_to_fake()
+            slot_state.switch_to_fixed()
     block = model.get_submodule(architecture(model).layers)[0]
     captured = {}
 

@@ -40,7 +40,7 @@ def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every
     rank0, rank1 = result["events"]
     assert rank0 == rank1 and len(rank0) == 7
     assert torch.equal(*(torch.tensor(s) for s in result["sigmas"]))
-    assert all(all(flag == 1.0 for flag in rank) for rank in result["fake"])
+    assert all(all(flag == 1.0 for flag in rank) for rank in result["fixed"])
 
 
 def run_two_processes(config, tmp_path) -> dict:
@@ -66,7 +66,7 @@ def two_processes_match_one(config, tmp_path):
     result = run_two_processes(config, tmp_path)
     rank0, rank1 = (torch.tensor(s) for s in result["sigmas"])
     assert torch.equal(rank0, rank1)
-    assert all(all(flag == 1.0 for flag in rank) for rank in result["fake"])
+    assert all(all(flag == 1.0 for flag in rank) for rank in result["fixed"])
 
     single = run(config, progress=False)
     single_sigmas = torch.stack([s.sigmas() for s in surgery.scale_states(single.model).values()])

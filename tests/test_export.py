@@ -20,7 +20,7 @@ def removed_model(seed=0, distinct_v_sigma=True):
     for name, state in surgery.scale_states(model).items():
         if distinct_v_sigma and name.endswith("ln_1v"):
             state.sigma.mul_(1.9)  # Q/K and V froze different σ
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 
@@ -59,7 +59,7 @@ def test_export_without_the_v_ratio_fold_would_be_wrong():
 
 def test_partial_export_is_refused_unless_asked(tmp_path, tokenizer):
     model = surgery.install(small_gpt2())
-    surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fake()
+    surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fixed()
     with pytest.raises(ExportError, match="still real"):
         write_export(model, tokenizer, tmp_path / "out", {})
     assert not (tmp_path / "out").exists()
@@ -76,7 +76,7 @@ def test_partial_export_is_refused_unless_asked(tmp_path, tokenizer):
 def test_export_refuses_active_special_sigma_and_occupied_folders(tmp_path, tokenizer):
     model = surgery.install(small_gpt2(), special_pos0=True)
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     with pytest.raises(ExportError):
         write_export(model, tokenizer, tmp_path / "a", {}, allow_partial=True)
     (tmp_path / "b").mkdir()
@@ -107,7 +107,7 @@ def massive_bos_llama():
     surgery.install(model)
     surgery.initialise_sigmas(model, [torch.randint(2, 5000, (4, 32), generator=torch.Generator().manual_seed(0))])
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 

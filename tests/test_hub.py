@@ -25,7 +25,7 @@ def export(tmp_path, model_dir):
     surgery.initialise_sigmas(model, [torch.randint(0, len(tokenizer), (2, 16))])
     events = []
     for step, (name, state) in enumerate(surgery.scale_states(model).items()):
-        state.switch_to_fake()
+        state.switch_to_fixed()
         events.append({"step": step, "slot": name, "sigma": float(state.sigma)})
     record = {"run_config": {"model": "tiny", "data": {"source": "tiny"}, "train": {"max_steps": 9}},
               "events": events, "held_out_ce": {"original": 1.5, "ln_free": 1.49, "vanilla": 1.48}}

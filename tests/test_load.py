@@ -27,7 +27,7 @@ def removed(tokenizer, n_layer=3):
     for name, state in surgery.scale_states(model).items():
         if name.endswith("ln_1v"):
             state.sigma.mul_(1.6)
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 

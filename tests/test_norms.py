@@ -11,10 +11,10 @@ from families import FAMILIES, tiny_family
 
 from lnfree import surgery
 from lnfree.arch import architecture
-from lnfree.arch.norms import (
+from lnfree.fixedscale.norms import (
     FOLD_ELEMENTS, FOLD_EVERY, FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment,
 )
-from lnfree.arch.rescaled import RescaledProjection
+from lnfree.fixedscale.rescaled import RescaledProjection
 from lnfree.schedule import Event
 
 
@@ -22,7 +22,7 @@ def fixed_sigma_ln(x, weight, bias, sigma):
     return (x - x.mean(-1, keepdim=True)) / sigma * weight + bias
 
 
-def make_fake_ln(d=16, **special):
+def make_fixed_ln(d=16, **special):
     ln = torch.nn.LayerNorm(d)
     with torch.no_grad():
         ln.weight.uniform_(0.5, 1.5)
@@ -30,43 +30,43 @@ def make_fake_ln(d=16, **special):
     return ln, FixedScaleNorm(ln.weight, ln.bias, ScaleState(ln.eps, "layer", **special))
 
 
-def test_fake_ln_is_the_real_ln_until_switched_then_fixed_sigma():
+def test_a_fixed_ln_is_the_real_ln_until_switched_then_fixed_sigma():
     torch.manual_seed(0)
-    ln, fake = make_fake_ln()
+    ln, fixed = make_fixed_ln()
     x = torch.randn(3, 5, 16) * 4
-    assert torch.equal(fake(x), ln(x))
-    fake.state.sigma.fill_(2.5)
-    fake.state.switch_to_fake()
+    assert torch.equal(fixed(x), ln(x))
+    fixed.state.sigma.fill_(2.5)
+    fixed.state.switch_to_fixed()
     expected = fixed_sigma_ln(x, ln.weight, ln.bias, 2.5)
-    torch.testing.assert_close(fake(x), expected, rtol=0, atol=1e-6)
-    assert not torch.allclose(fake(x), ln(x), atol=1e-3)
+    torch.testing.assert_close(fixed(x), expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(fixed(x), ln(x), atol=1e-3)
 
 
 def test_ema_matches_hand_computation_and_ignores_eval_passes():
     torch.manual_seed(0)
-    _, fake = make_fake_ln()
-    state = fake.state
+    _, fixed = make_fixed_ln()
+    state = fixed.state
     state.sigma.fill_(1.0)
     a, b = torch.randn(2, 4, 16) * 3, torch.randn(2, 4, 16) * 5
 
     def mean_std(x):
         return torch.sqrt(x.var(-1, unbiased=False) + state.eps).mean()
 
-    fake.eval()
-    fake(a)  # eval passes must not feed the EMA
+    fixed.eval()
+    fixed(a)  # eval passes must not feed the EMA
     assert state.stats.abs().sum() == 0
-    fake.train()
+    fixed.train()
     with torch.no_grad():
-        fake(a)  # nor must a no-grad pass in train mode (a user's metric)
+        fixed(a)  # nor must a no-grad pass in train mode (a user's metric)
     assert state.stats.abs().sum() == 0
-    fake(a)
-    fake(b)
+    fixed(a)
+    fixed(b)
     state.commit_ema(state.stats.clone(), momentum=0.9)
     expected = 0.9 * 1.0 + 0.1 * (mean_std(a) + mean_std(b)) / 2
     torch.testing.assert_close(state.sigma, expected)
     frozen = state.sigma.clone()
-    state.switch_to_fake()
-    fake(b * 10)
+    state.switch_to_fixed()
+    fixed(b * 10)
     state.commit_ema(state.stats.clone(), momentum=0.9)
     assert torch.equal(state.sigma, frozen)
 
@@ -139,13 +139,13 @@ def test_qk_and_v_paths_switch_independently():
     torch.testing.assert_close(qkv(x), reference, rtol=0, atol=1e-6)
     d = 32
     qkv.qk.sigma.fill_(3.0)
-    qkv.qk.switch_to_fake()
+    qkv.qk.switch_to_fixed()
     out = qkv(x)
     fixed_q = c_attn(fixed_sigma_ln(x, ln_1.weight, ln_1.bias, 3.0))
     torch.testing.assert_close(out[..., : 2 * d], fixed_q[..., : 2 * d], rtol=0, atol=1e-5)
     torch.testing.assert_close(out[..., 2 * d :], reference[..., 2 * d :], rtol=0, atol=1e-5)
     qkv.v.sigma.fill_(0.5)
-    qkv.v.switch_to_fake()
+    qkv.v.switch_to_fixed()
     fixed_v = c_attn(fixed_sigma_ln(x, ln_1.weight, ln_1.bias, 0.5))
     torch.testing.assert_close(qkv(x)[..., 2 * d :], fixed_v[..., 2 * d :], rtol=0, atol=1e-5)
     torch.testing.assert_close(qkv(x)[..., : 2 * d], fixed_q[..., : 2 * d], rtol=0, atol=1e-5)
@@ -159,7 +159,7 @@ def _fixed_ln_f_with_position0_sigma():
     ln_f = model.transformer.ln_f
     ln_f.state.sigma.fill_(2.0)
     ln_f.state.sigma_pos0.fill_(50.0)
-    ln_f.state.switch_to_fake()
+    ln_f.state.switch_to_fixed()
     captured = {}
     ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
     return model, ln_f, captured
@@ -206,7 +206,7 @@ def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
     assert not qkv.qk.has_eot and qkv.v.has_eot
     for state in (qkv.qk, qkv.v):
         state.sigma.fill_(1.5)
-        state.switch_to_fake()
+        state.switch_to_fixed()
     qkv.v.sigma_eot.fill_(9.0)
     ids = torch.tensor([[1, 5, 2, 5, 3]])
     captured = {}
@@ -220,11 +220,11 @@ def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
         torch.testing.assert_close(y[0, position, 2 * d :], h @ v_weight + v_bias, rtol=1e-5, atol=1e-5)
 
 
-def fully_fake(model):
+def fully_fixed(model):
     x = torch.randint(0, model.config.vocab_size, (4, 16))
     surgery.initialise_sigmas(model, [x])
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return model
 
 
@@ -236,7 +236,7 @@ def test_installed_model_matches_original_while_real_and_honours_attention_mask(
     if not removed:
         assert torch.equal(model(input_ids=ids).logits, base(input_ids=ids).logits)
     else:
-        fully_fake(model)
+        fully_fixed(model)
     # Left padding with an attention mask must give the unpadded logits at real positions.
     padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids], dim=1)
     mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
@@ -246,7 +246,7 @@ def test_installed_model_matches_original_while_real_and_honours_attention_mask(
 
 
 def test_generate_with_kv_cache_matches_full_recompute():
-    model = fully_fake(surgery.install(small_gpt2()))
+    model = fully_fixed(surgery.install(small_gpt2()))
     prompt = torch.randint(1, 64, (2, 5))
     cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
@@ -263,7 +263,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_statistics():
     grads, stats = [], []
     for checkpointing in (False, True):
         model = surgery.install(small_gpt2())
-        surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fake()
+        surgery.scale_states(model)["blocks.0.ln_2"].switch_to_fixed()
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -276,19 +276,23 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_statistics():
 
 
 def test_state_dict_carries_removal_state():
-    model = fully_fake(surgery.install(small_gpt2()))
+    model = fully_fixed(surgery.install(small_gpt2()))
     surgery.scale_states(model)["blocks.1.ln_1v"].sigma.fill_(7.0)
     fresh = surgery.install(small_gpt2(seed=1))
-    assert not any(s.is_fake for s in surgery.scale_states(fresh).values())
+    assert not any(s.is_fixed for s in surgery.scale_states(fresh).values())
     fresh.load_state_dict(model.state_dict())
     assert surgery.removal_state(fresh) == surgery.removal_state(model)
     assert surgery.is_fully_removed(fresh)
     ids = torch.randint(0, 64, (2, 9))
     torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
     keys = fresh.state_dict().keys()
-    assert "transformer.h.0.ln_1.qk.fake" in keys and "transformer.ln_f.state.sigma" in keys
+    assert "transformer.h.0.ln_1.qk.fixed" in keys and "transformer.ln_f.state.sigma" in keys
     assert "transformer.h.0.attn.c_attn.weight" in keys  # the projection keeps its key
     assert not any(k.endswith((".stats", ".totals")) for k in keys)
+    older = {k.removesuffix(".fixed") + ".fake" if k.endswith(".fixed") else k: v for k, v in model.state_dict().items()}
+    again = surgery.install(small_gpt2(seed=1))
+    again.load_state_dict(older)  # checkpoints of an lnfree that called the flag `fake`
+    assert surgery.removal_state(again) == surgery.removal_state(model)
 
 
 def test_install_refuses_other_models_and_double_installs():
@@ -312,12 +316,12 @@ def test_rmsnorm_slots_equal_the_hand_computed_fixed_scale_norm():
                                                   * norm.weight).unsqueeze(-1)
     torch.testing.assert_close(q_proj(x), reference.squeeze(-1), rtol=1e-5, atol=1e-5)
     norm.qk.sigma.fill_(2.5)
-    norm.qk.switch_to_fake()
+    norm.qk.switch_to_fixed()
     fixed = (layer.self_attn.q_proj.weight @ (x / 2.5 * norm.weight).unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(q_proj(x), fixed, rtol=1e-5, atol=1e-5)
     post = layer.post_attention_layernorm
     post.state.sigma.fill_(4.0)
-    post.state.switch_to_fake()
+    post.state.switch_to_fixed()
     torch.testing.assert_close(post(x), x / 4.0 * post.weight, rtol=1e-6, atol=1e-6)
 
 
@@ -343,7 +347,7 @@ def test_attention_input_norm_modes_agree_with_the_per_path_computation(family):
             state.sigma.mul_(1.7)  # the V path's σ differs from the Q/K path's
         if state.has_pos0:
             state.sigma_pos0.copy_(state.sigma)
-        state.switch_to_fake()
+        state.switch_to_fixed()
     if norm.bias is not None:  # a norm bias exercises the V columns' offset
         with torch.no_grad():
             norm.bias.normal_(0, 0.5)
@@ -454,7 +458,7 @@ def test_left_padding_gives_the_first_real_token_the_position_0_sigma(family):
     for state in surgery.scale_states(model).values():
         if state.has_pos0:
             state.sigma_pos0.mul_(3.0)  # position 0's σ clearly differs from the general one
-        state.switch_to_fake()
+        state.switch_to_fixed()
     padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), x], dim=1)
     mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], dim=1)
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # what a padded batch's positions are (generate() passes them)
@@ -465,3 +469,14 @@ def test_left_padding_gives_the_first_real_token_the_position_0_sigma(family):
     torch.testing.assert_close(left, plain, rtol=1e-4, atol=1e-4)
     if family == "llama":  # rotary attention is relative: the positions transformers infers give the same logits
         torch.testing.assert_close(implied, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_install_finds_the_scale_states_once(monkeypatch):
+    model = surgery.install(small_gpt2())
+    states = surgery.scale_states(model)
+    monkeypatch.setattr(surgery, "architecture", lambda model: pytest.fail("re-derived the adapter"))
+    surgery.update_sigmas(model, 0.9)  # what the training loop calls every step
+    assert surgery.scale_states(model) == states and list(states)[0] == "blocks.0.ln_1qk"
+    copied = copy.deepcopy(model)  # a copy's states are its own modules
+    assert all(a is not b for a, b in zip(surgery.scale_states(copied).values(), states.values()))
+    assert set(surgery.scale_states(copied).values()) <= set(copied.modules())

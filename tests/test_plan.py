@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import GPT2Config
 from typer.testing import CliRunner
 
+from conftest import small_gpt2
+
+from lnfree import surgery
 from lnfree.cli import app
 from lnfree.config import load_preset, with_overrides
 from lnfree.plan import GB, Setup, Teacher, model_shape, plan_preset, plan_run, predict
@@ -18,10 +22,28 @@ def test_shape_counts_parameters_once_and_the_matrices():
     assert XL.matrix_parameters == 48 * 12 * 1600**2 + 50257 * 1600  # blocks' Conv1Ds and the head
 
 
+def held_by_training(model) -> dict[str, int]:
+    """Bytes of the weights, AdamW's state and the gradients after one real training step of `model`."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    unique = {id(p): p for p in model.parameters()}.values()
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    return {"weights": size(unique), "gradients": size(p.grad for p in unique if p.grad is not None),
+            "optimizer": size(t for state in optimizer.state.values() for t in state.values() if t.dim() > 0)}
+
+
+def test_weights_optimizer_and_gradients_are_what_a_training_step_holds():
+    model = small_gpt2()
+    measured = held_by_training(model)
+    prediction = predict(model_shape(model.config), Setup(context=8, micro_batch=1))
+    assert {name: getattr(prediction, name) for name in measured} == measured
+
+
 def test_components_scale_as_the_layout_says():
     base = Setup(context=1024, micro_batch=4)
     one = predict(XL, base)
-    assert one.weights == 4 * XL.parameters and one.optimizer == 8 * XL.parameters
     assert predict(XL, base.model_copy(update={"micro_batch": 8})).activations == 2 * one.activations
     assert predict(XL, base.model_copy(update={"checkpointing": True})).activations < one.activations / 10
     ddp = predict(XL, base.model_copy(update={"gpus": 8}))
@@ -67,8 +89,24 @@ def test_frozen_embeddings_leave_the_optimiser_and_gradients_only_what_training_
     model = tiny_family(family)
     shape = model_shape(model.config)
     freeze_token_embedding(model)
-    trained = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
-    assert 0 < trained < shape.parameters
+    measured = held_by_training(model)
     frozen = predict(shape, Setup(context=16, micro_batch=1, freeze_embeddings=True))
-    assert frozen.optimizer == 8 * trained and frozen.gradients == 4 * trained
-    assert predict(shape, Setup(context=16, micro_batch=1)).optimizer == 8 * shape.parameters
+    assert 0 < frozen.optimizer == measured["optimizer"] < predict(shape, Setup(context=16, micro_batch=1)).optimizer
+    assert frozen.gradients == measured["gradients"] and frozen.weights == measured["weights"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "olmo2", "neox-parallel"])
+def test_each_family_counts_its_own_block(family):
+    from families import tiny_family
+
+    from lnfree.arch import architecture
+
+    model = tiny_family(family)
+    arch, shape = architecture(model), model_shape(model.config)
+    assert shape.family == arch.family and shape.layers == arch.n_layers
+    assert shape.scale_states == len(surgery.scale_states(surgery.install(model)))
+    rms_norms_per_block = {"llama": 2, "qwen3": 4, "gemma3": 6, "olmo2": 4}.get(family)
+    if rms_norms_per_block:  # an RMSNorm keeps its input and its normalised value in fp32
+        widths = shape.block_fp32 / 2
+        assert rms_norms_per_block * min(arch.head_dim, arch.hidden) <= widths <= rms_norms_per_block * max(
+            arch.heads * arch.head_dim, arch.hidden)

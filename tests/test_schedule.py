@@ -39,10 +39,18 @@ def test_large_and_xl_stop_mid_cosine():
     assert load_preset("gpt2-xl").train.cosine_steps == 1200
 
 
-def test_all_presets_validate_including_tiny():
-    assert {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(preset_names())
-    tiny = load_preset("tiny")
-    resolve_run(tiny, 4)
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_a_gpt2_preset_resolves_to_a_run_that_fixes_every_norm_once_and_in_time(name):
+    from lnfree.plan import config_of
+
+    assert name in preset_names()
+    config = load_preset(name)
+    n_layer = config_of(config.model).n_layer
+    resolved, events = resolve_run(config, n_layer)
+    every = {f"blocks.{i}.{kind}" for i in range(n_layer) for kind in ("ln_2", "ln_1qk", "ln_1v")} | {"ln_f"}
+    assert sorted(e.slot for e in events) == sorted(every)  # each exactly once
+    assert events[-1].slot == "ln_f" and events[-1].step < resolved.train.max_steps
+    assert resolved.removal.schedule.events(n_layer) == events
 
 
 @pytest.mark.parametrize("n_layer", [1, 3, 12, 30, 60])

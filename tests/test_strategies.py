@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lnfree import surgery
-from lnfree.arch.norms import FixedScaleNorm, ScaleState, real_norm
+from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState, real_norm
 from lnfree.config import with_overrides
 from lnfree.distill import kl_to_teacher
 from lnfree.export import ExportError, export_run, to_eps_trick
@@ -58,7 +58,7 @@ def test_blend_is_the_real_norm_at_its_start_and_the_fixed_norm_at_its_end(kind)
     torch.testing.assert_close(norm(x), real)
 
     state.set_fixed_fraction(1e-9)  # the blend's start: (almost) all real scale
-    assert state.is_blending and not state.is_fake
+    assert state.is_blending and not state.is_fixed
     torch.testing.assert_close(norm(x), real, rtol=1e-5, atol=1e-5)
 
     state.set_fixed_fraction(0.25)
@@ -71,8 +71,8 @@ def test_blend_is_the_real_norm_at_its_start_and_the_fixed_norm_at_its_end(kind)
     state.set_fixed_fraction(1.0)  # the end: exactly the fixed-scale norm
     fixed_state = ScaleState(1e-5, kind)
     fixed_state.sigma.fill_(1.7)
-    fixed_state.switch_to_fake()
-    assert state.is_fake and not state.is_blending and float(state.mix) == 0
+    fixed_state.switch_to_fixed()
+    assert state.is_fixed and not state.is_blending and float(state.mix) == 0
     assert torch.equal(norm(x), FixedScaleNorm(weight, bias, fixed_state)(x))
 
 
@@ -104,7 +104,7 @@ def test_a_blending_q_k_path_beside_a_real_v_path_normalises_each_by_its_own_sca
 def test_export_refuses_a_norm_in_the_middle_of_its_blend(run_config):
     result = run(run_config(max_steps=12), progress=False)
     surgery.scale_states(result.model)["ln_f"].mix.fill_(0.5)
-    surgery.scale_states(result.model)["ln_f"].fake.fill_(False)
+    surgery.scale_states(result.model)["ln_f"].fixed.fill_(False)
     surgery.scale_states(result.model)["ln_f"]._refresh_mirrors()
     with pytest.raises(ExportError, match="gradual removal"):
         to_eps_trick(result.model, allow_partial=True)

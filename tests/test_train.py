@@ -33,9 +33,9 @@ def test_resume_from_mid_removal_checkpoint_is_exact(run_config, tmp_path):
     full = run(config, progress=False)
     assert [c.name for c in sorted((full.output_dir / "checkpoints").iterdir())] == [
         "step_000005", "step_000010", "step_000015", "step_000016"]
-    # Mid-removal at step 5: both ln_2 and block 0's ln_1 Q/K are fake, the rest real.
+    # Mid-removal at step 5: both ln_2 and block 0's ln_1 Q/K are fixed, the rest real.
     state = json.loads((full.output_dir / "checkpoints/step_000005/trainer_state.json").read_text())["removal_state"]
-    assert [name for name, s in state.items() if s["fake"]] == ["blocks.0.ln_1qk", "blocks.0.ln_2", "blocks.1.ln_2"]
+    assert [name for name, s in state.items() if s["fixed"]] == ["blocks.0.ln_1qk", "blocks.0.ln_2", "blocks.1.ln_2"]
 
     moved = tmp_path / "moved"
     shutil.copytree(full.output_dir, moved)
@@ -247,4 +247,34 @@ def test_a_run_resumes_with_another_eval_and_save_cadence_but_not_another_recipe
     assert evals == [9]  # after step 6, every 3 steps (the last step's CE is the run's end record)
     assert (out / "checkpoints" / "step_000009").is_dir()
     for name, value in first.model.state_dict().items():  # bookkeeping changes nothing of what is trained
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resumed_run_may_amend_its_future_but_never_its_past(run_config, tmp_path):
+    config = run_config(save_every=5)  # ln_2 at steps 2–3, ln_1qk 4–5, ln_1v 6 and 8, ln_f 10; 16 steps
+    first = run(config, progress=False)
+    out = first.output_dir
+    for later in ("step_000010", "step_000015", "step_000016"):
+        shutil.rmtree(out / "checkpoints" / later)
+    stages = json.loads(config.removal.schedule.model_dump_json())["stages"]
+    slower = [*stages[:2], {**stages[2], "gap": 4}, stages[3]]  # ln_1v at steps 6 and 10, ln_f at 14
+    amended = with_overrides(config, {"removal.schedule.stages": slower, "train.max_steps": 20,
+                                      "train.cosine_steps": 16})
+
+    for change, why in (({"train.seed": 7}, "train.seed changed"),
+                        ({"train.cosine_steps": None}, "the learning rate before step 5"),
+                        ({"removal.schedule.stages": [{**stages[0], "gap": 2}, *slower[1:]]},
+                         r"the removals before step 5 \(blocks.0.ln_1qk, blocks.1.ln_2\)")):
+        with pytest.raises(RunError, match=why):
+            run(with_overrides(amended, change), resume=True, progress=False)
+    resumed = run(amended, resume=True, progress=False)
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert {"event": "amend", "step": 5, "changed": ["removal.schedule.stages", "train.cosine_steps",
+                                                     "train.max_steps"]} in lines
+    assert [r["step"] for r in lines if r.get("event") == "remove"] == [2, 3, 4, 5, 6, 10, 14]
+    assert json.loads((out / "run_config.json").read_text())["train"]["max_steps"] == 20
+
+    planned = run(with_overrides(amended, {"output_dir": str(tmp_path / "planned")}), progress=False)
+    assert surgery.removal_state(resumed.model) == surgery.removal_state(planned.model)
+    for name, value in planned.model.state_dict().items():  # the amended run is the run planned so from step 0
         torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)

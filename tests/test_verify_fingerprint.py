@@ -19,7 +19,7 @@ def export(model_dir, out):
     model = surgery.install(small_gpt2(n_layer=2, vocab_size=len(tokenizer)))
     surgery.initialise_sigmas(model, [torch.randint(0, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(1))])
     for state in surgery.scale_states(model).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     return write_export(model, tokenizer, out, {})
 
 

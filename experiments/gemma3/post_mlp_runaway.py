@@ -52,12 +52,12 @@ def main() -> None:
                         tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
     tokens = data.eval_batch(args.n_sequences)
     states = surgery.scale_states(model)
-    real = [slot for slot, state in states.items() if slot.endswith("post_mlp") and not state.is_fake]
+    real = [slot for slot, state in states.items() if slot.endswith("post_mlp") and not state.is_fixed]
     real.sort(key=lambda slot: -int(slot.split(".")[1]))  # the run's order: top block first
-    rows = [{"fixed": f"checkpoint as trained ({sum(s.is_fake for s in states.values())} of {len(states)} fixed)",
+    rows = [{"fixed": f"checkpoint as trained ({sum(s.is_fixed for s in states.values())} of {len(states)} fixed)",
              **measure(model, tokens, tokenizer)}]
     for slot in real:
-        states[slot].switch_to_fake()
+        states[slot].switch_to_fixed()
         rows.append({"fixed": f"+ {slot}", **measure(model, tokens, tokenizer)})
         print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -74,12 +74,12 @@ def main() -> None:
         if not chosen:
             continue
         for slot in chosen:
-            states[slot].switch_to_fake()
+            states[slot].switch_to_fixed()
         ce, norms = forward()
         growth = (norms / base).nan_to_num(nan=float("inf")).amax()
         rows.append({"fixed": name, "norms": len(chosen), "ce": ce, "max_residual_growth": float(growth)})
         for slot in chosen:  # back to real for the next group (σ unchanged: it was frozen, not updated)
-            states[slot].fake.fill_(False)
+            states[slot].fixed.fill_(False)
             states[slot].mix.fill_(0.0)
             states[slot]._refresh_mirrors()
         print(rows[-1])

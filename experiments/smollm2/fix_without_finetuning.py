@@ -59,7 +59,7 @@ def main() -> None:
     order += [["ln_f"]]
     for slots in order:
         for slot in slots:
-            states[slot].switch_to_fake()
+            states[slot].switch_to_fixed()
         curve.append(point("+".join(slots)))
         p = curve[-1]
         print(f"{p['fixed']:>32}: CE {p['ce']:.3f}, residual ×{p['max_residual_growth']:.3g} at position "

@@ -72,7 +72,7 @@ def gains(model, ids: torch.Tensor) -> list[dict]:
 
 def fixed_ln2(model) -> list[int]:
     states = surgery.scale_states(model)
-    return sorted(i for i in range(architecture(model).n_layers) if states[f"blocks.{i}.ln_2"].is_fake)
+    return sorted(i for i in range(architecture(model).n_layers) if states[f"blocks.{i}.ln_2"].is_fixed)
 
 
 def main() -> None:
@@ -92,7 +92,7 @@ def main() -> None:
     results[label()] = gains(model, ids)
     for lowest in EXTRA:
         for i in range(min(fixed_ln2(model)) - 1, lowest - 1, -1):
-            states[f"blocks.{i}.ln_2"].switch_to_fake()
+            states[f"blocks.{i}.ln_2"].switch_to_fixed()
         results[label() + " (no training)"] = gains(model, ids)
         print(label(), results[label() + " (no training)"][0])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -119,12 +119,12 @@ def single_fixes(model, tokenizer, measure: torch.Tensor, score: torch.Tensor) -
             continue
         group = [state] + ([states[name.replace("qk", "v")]] if name.endswith("ln_1qk") else [])
         for s in group:
-            s.switch_to_fake()
+            s.switch_to_fixed()
         ce, norms = forward()
         growth = (norms / baseline).nan_to_num(nan=float("inf")).amax()
         rows.append({"fixed": name.replace("ln_1qk", "ln_1"), "ce": ce, "max_residual_growth": float(growth)})
         for s in group:
-            s.fake.fill_(False)
+            s.fixed.fill_(False)
             s._refresh_mirrors()
         print(f"{rows[-1]['fixed']:>16}: CE {ce:.3f}, largest residual growth ×{float(growth):.3g}", flush=True)
     return rows

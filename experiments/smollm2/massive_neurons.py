@@ -84,7 +84,7 @@ def ln2_fixed_top_down(model, tokenizer, train: torch.Tensor, tokens: torch.Tens
     states = surgery.scale_states(model)
     rows = []
     for layer in reversed(range(architecture(model).n_layers)):
-        states[f"blocks.{layer}.ln_2"].switch_to_fake()
+        states[f"blocks.{layer}.ln_2"].switch_to_fixed()
         row = score(model, tokens)
         rows.append({"fixed_down_to": layer, **{k: row[k] for k in ("held_out_ce", "largest_residual_norm")},
                      "worst_token": worst_token(model, tokenizer, train)})

@@ -62,7 +62,7 @@ def main() -> None:
     summary = {
         "model": config["model"],
         "stage": args.stage,
-        "norms_fixed": sum(state["fake"] for state in norms.values()),
+        "norms_fixed": sum(state.get("fixed", state.get("fake", False)) for state in norms.values()),  # older exports say "fake"
         "norms_total": len(norms),
         "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": vanilla_ce,
                        "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],

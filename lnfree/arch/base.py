@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lnfree.arch.norms import NormKind
+from lnfree.fixedscale.norms import NormKind
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,9 @@ class Architecture:
     def check(self) -> None:
         """Refuse configurations this adapter does not handle (raise `UnsupportedModel`)."""
 
+    def check_bridge(self) -> None:
+        """Refuse configurations TransformerLens' bridge of this family computes differently (ValueError)."""
+
     # ----- shape -----
     @property
     def n_layers(self) -> int:
@@ -114,6 +117,40 @@ class Architecture:
     @property
     def n_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.config.intermediate_size)
+
+    @property
+    def heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.config, "head_dim", None) or self.hidden // self.heads)
+
+    def block_activations(self) -> tuple[int, int]:
+        """Elements per token one block keeps for its backward: (fp32, in the autocast dtype).
+
+        Counted for PyTorch SDPA attention (no T² scores). This base count is a Llama block: each
+        RMSNorm keeps its input and normalised value in fp32 (per-head norms: their width); the
+        normalised input, RoPE'd Q and K, V, the attention output and o_proj's input, and the gated
+        MLP's gate, up, SiLU and product in the autocast dtype (`lnfree.plan` turns them into bytes).
+        """
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        widths = {"q_norm": q, "k_norm": kv}
+        per_block = [site for site in self.sites() if site.layer == 0]
+        fp32 = sum(2 * widths.get(site.stage, d) for site in per_block)
+        return fp32, 3 * d + 2 * q + 2 * kv + 4 * self.intermediate
 
     @property
     def eps(self) -> float:

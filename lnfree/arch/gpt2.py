@@ -28,6 +28,13 @@ class GPT2(Architecture):
         if getattr(self.config, "add_cross_attention", False):
             raise UnsupportedModel("GPT-2 with cross-attention is not supported")
 
+    def check_bridge(self) -> None:
+        if not getattr(self.config, "scale_attn_weights", True):
+            raise ValueError(
+                "config.scale_attn_weights=False is not supported: TransformerLens' GPT-2 bridge always "
+                "scales attention scores by 1/sqrt(d_head)"
+            )
+
     @property
     def n_layers(self) -> int:
         return int(self.config.n_layer)
@@ -35,6 +42,24 @@ class GPT2(Architecture):
     @property
     def n_positions(self) -> int:
         return int(self.config.n_positions)
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config.n_embd)
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.config.n_inner or 4 * self.config.n_embd)
+
+    @property
+    def heads(self) -> int:
+        return int(self.config.n_head)
+
+    def block_activations(self) -> tuple[int, int]:
+        """Both LayerNorm inputs (fp32); ln_1's output, Q/K/V, the attention output and its contiguous
+        copy, ln_2's output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output."""
+        d = self.hidden
+        return 2 * d, 7 * d + 5 * self.intermediate
 
     def sites(self) -> list[NormSite]:
         d = self.config.n_embd

@@ -30,6 +30,11 @@ class GPTNeoX(Architecture):
         "GPTNeoXForCausalLM", {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}, "gpt_neox.final_layer_norm"
     )
 
+    def block_activations(self) -> tuple[int, int]:
+        """As GPT-2's, with an exact GELU (its input and output)."""
+        d = self.hidden
+        return 2 * d, 7 * d + 2 * self.intermediate
+
     def v_columns(self) -> tuple[int, ...]:
         """Output features of `query_key_value` on the V path: the last third of each head's block."""
         heads = self.config.num_attention_heads

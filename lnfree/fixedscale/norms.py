@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnfree.arch.rescaled import RescaledProjection
+from lnfree.fixedscale.rescaled import RescaledProjection
 
 NormKind = Literal["layer", "rms"]
 
@@ -168,7 +168,7 @@ def centre(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
 class ScaleState(nn.Module):
     """The per-token scale of one normalisation: the real one, or a frozen σ.
 
-    Buffers: `sigma` (EMA, frozen when fixed), `fake`, optional `sigma_pos0`/`pos0_active` and
+    Buffers: `sigma` (EMA, frozen when fixed), `fixed`, optional `sigma_pos0`/`pos0_active` and
     `sigma_eot`/`eot_active`, and a non-persistent `totals` accumulator (row 0 sums, row 1
     counts; columns general / position 0 / EOT) that `commit_ema` folds into σ. Read it as
     `stats`, which first adds the reciprocal scales still pending (see `gather`).
@@ -181,7 +181,7 @@ class ScaleState(nn.Module):
         self.has_pos0 = special_pos0
         self.has_eot = special_eot
         self.register_buffer("sigma", torch.ones(()))
-        self.register_buffer("fake", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("fixed", torch.zeros((), dtype=torch.bool))
         # Gradual removal: while 0 < mix < 1 the norm divides by mix·(real scale) + (1 − mix)·σ, σ frozen.
         self.register_buffer("mix", torch.zeros(()))
         # A special σ is turned off at once, or faded: its tokens divide by σ_special^(1 − fade) · σ^fade.
@@ -206,8 +206,8 @@ class ScaleState(nn.Module):
 
     # ----- Python mirrors of the flag buffers (read without a device sync) -----
     def _refresh_mirrors(self) -> None:
-        self.is_fake = bool(self.fake)
-        self.is_blending = not self.is_fake and bool(self.mix > 0)
+        self.is_fixed = bool(self.fixed)
+        self.is_blending = not self.is_fixed and bool(self.mix > 0)
         self.pos0_on = self.has_pos0 and bool(self.pos0_active)
         self.eot_on = self.has_eot and bool(self.eot_active)
 
@@ -225,6 +225,8 @@ class ScaleState(nn.Module):
         return super()._apply(keep_fp32, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "fake" in state_dict:  # checkpoints written before the flag was named `fixed`
+            state_dict[prefix + "fixed"] = state_dict.pop(prefix + "fake")
         for name in ("mix", "pos0_fade", "eot_fade"):  # checkpoints from before gradual removal
             if hasattr(self, name):
                 state_dict.setdefault(prefix + name, torch.zeros(()))
@@ -233,11 +235,11 @@ class ScaleState(nn.Module):
 
     def extra_repr(self) -> str:
         specials = [n for n, on in (("pos0", self.pos0_on), ("eot", self.eot_on)) if on]
-        state = "fixed" if self.is_fake else "blending" if self.is_blending else "real"
+        state = "fixed" if self.is_fixed else "blending" if self.is_blending else "real"
         return f"{self.kind}, {state}, eps={self.eps}" + (f", special σ: {'+'.join(specials)}" if specials else "")
 
     # ----- switches -----
-    def switch_to_fake(self) -> None:
+    def switch_to_fixed(self) -> None:
         """Freeze σ at its current value and divide by it from now on."""
         self.set_fixed_fraction(1.0)
 
@@ -251,8 +253,8 @@ class ScaleState(nn.Module):
             raise ValueError(f"fixed fraction must be in (0, 1], got {fraction}")
         done = fraction >= 1
         self.mix.fill_(0.0 if done else 1.0 - fraction)
-        self.fake.fill_(done)
-        self.is_fake, self.is_blending = done, not done
+        self.fixed.fill_(done)
+        self.is_fixed, self.is_blending = done, not done
 
     def disable_special(self, kind: str) -> None:
         """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
@@ -282,13 +284,13 @@ class ScaleState(nn.Module):
     @property
     def guarded(self) -> bool:
         """True when a finite ceiling bounds this fixed (or blending) norm's output per token."""
-        return self.ceiling != math.inf and (self.is_fake or self.is_blending)
+        return self.ceiling != math.inf and (self.is_fixed or self.is_blending)
 
     @property
     def gathering(self) -> bool:
         """True when a forward should feed the statistics: a real norm in a grad-enabled training
         pass, or an explicit measurement. A user's no-grad metric in train mode does not move σ."""
-        return not (self.is_fake or self.is_blending) and ((self.training and torch.is_grad_enabled()) or self.collecting)
+        return not (self.is_fixed or self.is_blending) and ((self.training and torch.is_grad_enabled()) or self.collecting)
 
     # ----- statistics -----
     @property
@@ -370,7 +372,7 @@ class ScaleState(nn.Module):
         `stats` is this module's accumulator, possibly summed over ranks. A fixed (or blending)
         norm's σ is frozen.
         """
-        if not (self.is_fake or self.is_blending):
+        if not (self.is_fixed or self.is_blending):
             old = self.sigmas()
             mean = stats[0] / stats[1].clamp_min(1)
             new = momentum * old + (1 - momentum) * mean
@@ -405,7 +407,7 @@ class ScaleState(nn.Module):
         """The norm of `x` with this state's scale (statistics are gathered by the owning module)."""
         if self.is_blending:
             return self._blended(x, weight, bias)
-        if not self.is_fake:
+        if not self.is_fixed:
             return real_norm(x, self.kind, weight, bias, self.eps)
         sigma = self.token_sigma(x.shape[:-1])
         if self.guarded:
@@ -443,7 +445,7 @@ class FixedScaleNorm(nn.Module):
     """Drop-in replacement for a LayerNorm or RMSNorm whose division can be frozen to a fixed σ.
 
     Keeps the parameter names `weight` (and `bias` for LayerNorm), so state-dict keys of the
-    replaced module are unchanged. Identical to the real norm until `state.switch_to_fake()`.
+    replaced module are unchanged. Identical to the real norm until `state.switch_to_fixed()`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ScaleState):
@@ -490,10 +492,10 @@ class SplitNorm(nn.Module):
     def mode(self) -> Literal["real", "fixed", "split"]:
         """How the norm is shared between the paths (see the class docstring)."""
         qk, v = self.qk, self.v
-        if not (qk.is_fake or qk.is_blending or v.is_fake or v.is_blending):
+        if not (qk.is_fixed or qk.is_blending or v.is_fixed or v.is_blending):
             return "real"
         plain = not (qk.wants_context or v.wants_context or qk.guarded or v.guarded)
-        if qk.is_fake and v.is_fake and plain:
+        if qk.is_fixed and v.is_fixed and plain:
             return "fixed"
         return "split"
 

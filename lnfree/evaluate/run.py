@@ -1,0 +1,182 @@
+"""The whole evaluation: every model scored on the same tokens, summarised and paired."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lnfree.data import tokenizer_fingerprint
+from lnfree.evaluate.benchmarks import BENCHMARKS, _require_lm_eval
+from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
+from lnfree.evaluate.models import EvalModel, load_models, resolve_device
+from lnfree.evaluate.scoring import SCORING_CONVENTION, UNITS, TokenScores, score
+from lnfree.evaluate.summaries import (
+    DEFAULT_THRESHOLD,
+    ECE_BINS,
+    ModelResult,
+    PairResult,
+    distribution,
+    paired_delta,
+    summarise_model,
+)
+
+
+@dataclass
+class EvalReport:
+    """The result of one evaluation: dataset, settings, per-model results and pairwise comparisons."""
+
+    dataset: dict
+    settings: dict
+    convention: str
+    reference: str | None
+    models: list[ModelResult]
+    pairs: list[PairResult]
+    scores: dict[str, TokenScores] = field(default_factory=dict, repr=False)
+    jsd: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # by model label
+
+    def model(self, label: str) -> ModelResult:
+        return next(m for m in self.models if m.label == label)
+
+    def pair(self, a: str, b: str) -> PairResult:
+        return next(p for p in self.pairs if {p.a, p.b} == {a, b})
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("dataset", "settings", "convention", "reference")}
+        out["units"] = UNITS
+        out["models"] = [asdict(m) for m in self.models]
+        out["pairs"] = [asdict(p) for p in self.pairs]
+        return out
+
+
+def _choose_reference(results: list[ModelResult], wanted: str | None) -> str | None:
+    """`wanted`, else a model labelled 'vanilla' (or containing it), else the lowest mean CE."""
+    labels = [r.label for r in results]
+    if wanted is not None:
+        if wanted not in labels:
+            raise EvalError(f"reference {wanted!r} is not one of the labels {labels}")
+        return wanted
+    if len(results) < 2:
+        return None
+    vanilla = [label for label in labels if label == "vanilla"] or [label for label in labels if "vanilla" in label.lower()]
+    return vanilla[0] if vanilla else min(results, key=lambda r: r.ce.mean).label
+
+
+def evaluate_models(
+    models: Sequence[EvalModel], tokens: torch.Tensor | Mapping[str, torch.Tensor], *, dataset: dict | None = None,
+    batch_size: int = 8, device: str = "cpu", threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
+    n_resamples: int = 1000, max_outliers: int = 50, reference: str | None = None, pairwise: bool | None = None,
+    progress: bool = False,
+) -> EvalReport:
+    """Score `models` on `tokens` ((N, L) ids, or one tensor per label) and summarise.
+
+    Models that share a tokenizer share tokens; pairwise comparison (JSD, paired ΔCE) runs by
+    default whenever two or more models score identical tokens; `pairwise=True` demands it for
+    all models (an error if their tokens or vocabularies differ), False switches it off.
+    """
+    labels = [m.label for m in models]
+    by_label = dict(tokens) if isinstance(tokens, Mapping) else {label: tokens for label in labels}
+    groups: dict[int, list[str]] = {}
+    for label in labels:
+        groups.setdefault(id(by_label[label]), []).append(label)
+    if pairwise and len(groups) > 1:
+        raise EvalError(f"pairwise comparison needs identical tokens, but the models' tokenizers differ: "
+                        f"{[g for g in groups.values()]}")
+    pairs = [pair for group in groups.values() for pair in itertools.combinations(group, 2)] if pairwise is not False else []
+    if pairwise and not pairs:
+        raise EvalError("pairwise comparison needs at least two models")
+    scores, jsd = {}, {}
+    for group in groups.values():
+        group_pairs = [p for p in pairs if p[0] in group]
+        modules = {m.label: m.module for m in models if m.label in group}
+        s, j = score(modules, by_label[group[0]], batch_size=batch_size, device=resolve_device(str(device)),
+                     pairs=group_pairs, progress=progress)
+        scores.update(s)
+        jsd.update(j)
+    results = [summarise_model(m, scores[m.label], by_label[m.label], threshold=threshold, n_resamples=n_resamples,
+                               seed=seed, max_outliers=max_outliers) for m in models]
+    for result in results:  # each outlier token's CE under the other models on the same tokens
+        for item in result.outliers:
+            item.other_models_ce = {
+                other: float(scores[other].ce[item.sequence, item.position - 1]) for other in labels
+                if other != result.label and by_label[other] is by_label[result.label]}
+    ref = _choose_reference(results, reference)
+    for result in results:
+        if ref is not None and result.label != ref and by_label[result.label] is by_label[ref]:
+            result.reference = ref
+            result.delta_ce_vs_reference, result.delta_ce_vs_reference_ci = paired_delta(
+                scores[ref].ce, scores[result.label].ce, n_resamples=n_resamples, seed=seed)
+    pair_results = []
+    for a, b in pairs:
+        delta, delta_ci = paired_delta(scores[a].ce, scores[b].ce, n_resamples=n_resamples, seed=seed)
+        pair_results.append(PairResult(a, b, jsd[(a, b)].numel(),
+                                       distribution(jsd[(a, b)], n_resamples=n_resamples, seed=seed), delta, delta_ci))
+    settings = {"batch_size": batch_size, "device": str(resolve_device(str(device))), "threshold": threshold, "seed": seed,
+                "bootstrap_resamples": n_resamples, "ci_level": 0.95, "bootstrap_unit": "sequence",
+                "ece_bins": ECE_BINS, "max_outliers": max_outliers}
+    return EvalReport(dataset or {}, settings, SCORING_CONVENTION, ref, results, pair_results, scores, jsd, by_label)
+
+
+def _bos(model: EvalModel) -> int | None:
+    from lnfree.data import bos_token
+
+    config = getattr(model.module, "config", None)
+    return bos_token(config, model.tokenizer) if config is not None else None
+
+
+def evaluate(
+    sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, form: str = "hf",
+    dtype: str = "fp32", device: str = "auto", batch_size: int = 8, n_sequences: int | None = None,
+    context: int | None = None, split: str | None = None, revision: str | None = None, text_field: str = "text",
+    cache_dir: str | None = None, progress: bool = False, benchmarks: Sequence[str] = (),
+    benchmark_limit: int | float | None = None, **options,
+) -> EvalReport:
+    """Load models, read the dataset's first sequences once per tokenizer, and `evaluate_models`.
+
+    `n_sequences` and `context` default to the dataset preset's (tiny: 64 × 128, the sequences its
+    removal run reports; owt-val: the whole split; pile, pile-filtered: 10,000 × 1024; a Hub id:
+    1,000; a local file: all of it); the context must fit every model. `benchmarks` (e.g.
+    ``["hellaswag"]``, needs lm-evaluation-harness) run on each model after scoring; `options` go to
+    `evaluate_models`.
+    """
+    spec = resolve_dataset(dataset, split=split, revision=revision, text_field=text_field)
+    for name in benchmarks:
+        if name not in BENCHMARKS:
+            raise EvalError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
+        _require_lm_eval()  # fail before the long part, not after it
+    models = load_models(sources, labels, form=form, dtype=dtype)
+    positions = [m.n_positions for m in models if m.n_positions]
+    context = context or spec.context or min(positions)
+    if positions and context > min(positions):
+        raise EvalError(f"context {context} exceeds a model's n_positions ({min(positions)}); pass --context")
+    if n_sequences is None:
+        n_sequences = spec.n_sequences if spec.how != "tiny" else 64
+        if n_sequences is None and spec.how == "stream":
+            n_sequences = 1000
+    fingerprints = {m.label: tokenizer_fingerprint(m.tokenizer) for m in models}
+    tokens: dict[str, torch.Tensor] = {}
+    by_fingerprint: dict[str, torch.Tensor] = {}
+    for m in models:
+        key = fingerprints[m.label]
+        if key not in by_fingerprint:
+            vocab = min(other.vocab_size for other in models if fingerprints[other.label] == key)
+            ids = load_sequences(spec, m.tokenizer, context=context, n_sequences=n_sequences, vocab_size=vocab,
+                                 cache_dir=cache_dir, progress=progress, bos_token_id=_bos(m))
+            by_fingerprint[key] = torch.from_numpy(ids)
+        tokens[m.label] = by_fingerprint[key]
+    first = next(iter(by_fingerprint.values()))
+    info = {"name": spec.name, "source": spec.source, "revision": spec.revision, "split": spec.split,
+            "description": spec.description, "sequences": int(first.shape[0]), "context": context,
+            "scored_tokens_per_model": int(first.shape[0]) * (context - 1), "tokenizers": len(by_fingerprint),
+            "selection": "the first sequences, in dataset order (documents + EOT concatenated, cut into context-sized pieces)"}
+    report = evaluate_models(models, tokens, dataset=info, batch_size=batch_size, device=device, progress=progress,
+                             **options)
+    report.settings.update({"form": form, "dtype": dtype})
+    for name in benchmarks:
+        for m in models:
+            report.model(m.label).benchmarks.update(
+                BENCHMARKS[name](m.module, m.tokenizer, batch_size=batch_size, limit=benchmark_limit))
+    return report
