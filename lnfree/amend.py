@@ -5,7 +5,8 @@ able to continue from its step-600 checkpoint with a slower pace for the norms s
 longer run, or a ceiling released later, and still be one run (one log, one clock, one token count).
 `lnfree remove --resume` accepts such a config when it provably trains the same model up to the
 checkpoint: the same recipe in every field, and in the fields that are functions of the step (the
-schedule, the learning-rate curve, the scale ceiling) the same value at every step before it. The
+schedule, the learning-rate curve, the scale ceiling, the scale tail loss) the same value at every
+step before it. The
 run config then records the new plan, and the log an `amend` record with each change.
 """
 
@@ -19,7 +20,7 @@ from lnfree.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
 #: resume step on (the learning rate curve, the removal events, the ceiling's value and release).
-FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps"), "removal": ("schedule", "scale_ceiling")}
+FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "scale_tail"), "removal": ("schedule", "scale_ceiling")}
 
 
 class AmendError(ValueError):
@@ -36,12 +37,14 @@ def amendment(
     Both configs are resolved (`lnfree.train.resolve_run`): their schedule and max_steps are set.
     `learning_rate(step, config)` is the run's curve; the fields in `ignore` (bookkeeping) may differ.
     """
-    fixed = {section: (*FUTURE_FIELDS.get(section, ()), *ignore.get(section, ())) for section in {*FUTURE_FIELDS, *ignore}}
+    fixed = {section: (*FUTURE_FIELDS.get(section, ()), *ignore.get(section, ()))
+             for section in {*FUTURE_FIELDS, *ignore}}
     before, after = _without(fixed, stored), _without(fixed, config)
     if before != after:
         changed = sorted(_changed_fields(before, after))
         raise AmendError(f"{', '.join(changed)} changed: only the plan after the checkpoint (train.max_steps, "
-                         "train.cosine_steps, removal.schedule, removal.scale_ceiling) may change on resume")
+                         "train.cosine_steps, train.scale_tail, removal.schedule, removal.scale_ceiling) may change "
+                         "on resume")
     if stored.removal.adaptive is not None and stored.removal.schedule != config.removal.schedule:
         raise AmendError("an adaptive schedule cannot be amended: its steps depend on the losses it saw")
     problems = []
@@ -54,6 +57,8 @@ def amendment(
                         f"{stored.train.cosine_steps or stored.train.max_steps} when max_steps grows)")
     if any(_ceiling(stored, s) != _ceiling(config, s) for s in range(step)):
         problems.append(f"the scale ceiling before step {step} (set removal.scale_ceiling.release_start)")
+    if any(_tail(stored, s) != _tail(config, s) for s in range(step)):
+        problems.append(f"the scale tail loss before step {step} (set train.scale_tail.start)")
     if problems:
         raise AmendError(f"the new config changes steps this run has trained: {'; '.join(problems)}")
     return sorted(_changed_fields(_future(stored), _future(config)))
@@ -66,6 +71,12 @@ def _past(events: list[Event], step: int) -> list[Event]:
 def _ceiling(config: RunConfig, step: int) -> float | None:
     ceiling = config.removal.scale_ceiling
     return None if ceiling is None else ceiling.at(step, config.train.max_steps)
+
+
+def _tail(config: RunConfig, step: int) -> tuple[float, float | None]:
+    tail = config.train.scale_tail
+    weight = 0.0 if tail is None else tail.weight_at(step)
+    return weight, tail.ratio if weight > 0 else None
 
 
 def _without(fields: dict[str, tuple[str, ...]], config: RunConfig) -> dict:

@@ -190,7 +190,7 @@ def _interrupted(out: Path) -> None:
     import shlex
     import sys
 
-    from lnfree.train import latest_checkpoint
+    from lnfree.layout import latest_checkpoint
 
     latest = latest_checkpoint(out)
     args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
@@ -337,7 +337,8 @@ def export(
 ) -> None:
     """Export a training checkpoint as a plain transformers model in the eps-trick format."""
     from lnfree.export import load_checkpoint, write_export
-    from lnfree.train import latest_checkpoint, quiet_libraries
+    from lnfree.layout import latest_checkpoint
+    from lnfree.train import quiet_libraries
 
     if not checkpoint.exists():
         _fail(f"no such folder: {checkpoint}")

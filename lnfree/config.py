@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lnfree.ceiling import ScaleCeiling
-from lnfree.massive import MassiveNeurons
+from lnfree.massive import MassiveNeurons, ScaleTail
 from lnfree.schedule import Adaptive, Schedule
 
 
@@ -71,6 +71,9 @@ class TrainConfig(_Strict):
     )
     scale_loss_form: Literal["relative", "log"] = Field(
         "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
+    )
+    scale_tail: ScaleTail | None = Field(
+        None, description="a hinge on the tokens above ratio × the typical scale at every norm input (lnfree.massive)"
     )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "

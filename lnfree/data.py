@@ -32,6 +32,8 @@ import torch
 
 from lnfree.arch import architecture
 from lnfree.config import DataConfig
+from lnfree.realtext import CorpusError, train_and_heldout
+from lnfree.tiny import FINETUNE_SEED, HELDOUT_SEED, generate_documents
 
 CACHE_FORMAT = 2
 #: Fewer tokens per EOT than this on average is warned about (documents split too finely?).
@@ -60,8 +62,6 @@ def _text_datasets(config: DataConfig):
     import datasets
 
     if config.source == "tiny":
-        from lnfree.tiny import FINETUNE_SEED, HELDOUT_SEED, generate_documents
-
         n = config.max_documents or 4000
         held_out = max(2, int(round(n * config.val_fraction)))
         return (
@@ -69,8 +69,6 @@ def _text_datasets(config: DataConfig):
             datasets.Dataset.from_dict({"text": generate_documents(held_out, HELDOUT_SEED)}),
         )
     if config.source == "realtext":
-        from lnfree.realtext import CorpusError, train_and_heldout
-
         try:
             train, held_out = train_and_heldout()
         except CorpusError as err:

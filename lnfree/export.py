@@ -28,12 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lnfree import __version__, surgery
 from lnfree.arch import architecture
-from lnfree.arch.base import set_norm_eps, v_mask
+from lnfree.arch.base import in_out, set_norm_eps, v_mask
 from lnfree.fixedscale.norms import ScaleState, second_moment
 from lnfree.config import RunConfig
 from lnfree.layout import EXPORT, RUN_CONFIG, TOKENIZER
 from lnfree.massive import NEURONS_FILE
-from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, probe_batch
+from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, export_fingerprint, probe_batch
 
 EPS_TRICK_EPS = 1e12
 EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
@@ -122,7 +122,7 @@ def _fold_v_ratio(plain: nn.Module, site, split, arch) -> None:
     ratio = split.qk.sigma.double() / split.v.sigma.double()
     for consumer in site.consumers:
         proj = plain.get_submodule(consumer.path)
-        weight = proj.weight if arch.conv1d else proj.weight.t()  # (in, out) view
+        weight = in_out(proj.weight, arch.conv1d)
         columns = v_mask(consumer.v_columns, weight.shape[1]).to(weight.device)
         if not columns.any():
             continue
@@ -198,8 +198,6 @@ def write_export(
     into place, so a failure leaves nothing behind. The record also holds a fingerprint (weights
     sha256, probe logits) that `lnfree verify` checks.
     """
-    from lnfree.verify import export_fingerprint  # lnfree.verify imports this module
-
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")

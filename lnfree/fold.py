@@ -20,7 +20,7 @@ from torch import nn
 
 from lnfree import surgery
 from lnfree.arch import architecture
-from lnfree.arch.base import v_mask
+from lnfree.arch.base import in_out, v_mask
 
 
 class FoldError(ValueError):
@@ -50,10 +50,6 @@ def folded_class(cls: type) -> type:
     return _FOLDED_CLASSES[cls]
 
 
-def _in_out(proj: nn.Module, conv1d: bool) -> torch.Tensor:
-    return proj.weight if conv1d else proj.weight.t()
-
-
 def _fold_into(proj: nn.Module, conv1d: bool, columns: torch.Tensor, scale: torch.Tensor,
                norm_bias: torch.Tensor | None, centred: bool, original: torch.Tensor) -> None:
     """Fold a norm (scale w/σ, optional bias, centring) into `columns` of a consumer, from its original weight."""
@@ -61,7 +57,7 @@ def _fold_into(proj: nn.Module, conv1d: bool, columns: torch.Tensor, scale: torc
     folded = w * scale[:, None]
     if centred:
         folded = folded - folded.mean(dim=0, keepdim=True)
-    target = _in_out(proj, conv1d)
+    target = in_out(proj.weight, conv1d)
     target[:, columns] = folded.to(target.dtype)
     if norm_bias is not None:
         if proj.bias is None:
@@ -112,11 +108,11 @@ def fold(model: nn.Module) -> nn.Module:
                 folded.set_submodule(consumer.path, _head_with_bias(folded.get_submodule(consumer.path), True))
             proj = folded.get_submodule(consumer.path)
             conv1d = arch.conv1d and consumer.path != arch.unembedding
-            original = _in_out(proj, conv1d).detach().clone()
+            original = in_out(proj.weight, conv1d).detach().clone()
             width = original.shape[1]
             if site.folds_into_producer:  # rows of the producer: (W x + c) (per head), times w/σ per dimension
                 scale = (weight / norm.state.sigma.double()).repeat(width // weight.numel())
-                target = _in_out(proj, conv1d)
+                target = in_out(proj.weight, conv1d)
                 target.copy_((original.double() * scale[None, :]).to(target.dtype))
                 if proj.bias is not None:
                     proj.bias.copy_((proj.bias.double() * scale).to(proj.bias.dtype))

@@ -18,6 +18,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
 from lnfree.export import EPS_TRICK_EPS, RECORD
 from lnfree.models import HUB_IDS
+from lnfree.sources import looks_local
 from lnfree.verify import verify, write_report
 
 CARD_TEMPLATE = """---
@@ -84,9 +85,7 @@ class PushError(ValueError):
 
 def is_hub_id(name: str) -> bool:
     """True for a Hub model id (not a bundled model's name, not a local folder)."""
-    from lnfree.sources import _looks_local
-
-    return name not in BUNDLED and not Path(name).expanduser().exists() and not _looks_local(name)
+    return name not in BUNDLED and not Path(name).expanduser().exists() and not looks_local(name)
 
 
 def base_license(base_model: str) -> str | None:

@@ -25,13 +25,13 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lnfree import surgery
+from lnfree import bridge, surgery
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
 from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState
-from lnfree.export import EPS_TRICK_EPS, RECORD, load_checkpoint
+from lnfree.export import EPS_TRICK_EPS, RECORD, ExportError, load_checkpoint, to_eps_trick
 from lnfree.fold import FoldError, fold
-from lnfree.layout import TRAINER_STATE
+from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, load_config, resolve_model_source
 
 
@@ -87,8 +87,6 @@ class LoadedModel:
 
     def bridge(self):
         """(c) A TransformerLens 4 `TransformerBridge`: exact for LN-free and partially removed models."""
-        from lnfree import bridge
-
         if self.fully_ln_free:
             return bridge.bridge_from_folded(self.folded(), self.tokenizer)
         if any(n["fixed"] for n in self.norms.values()):
@@ -103,8 +101,6 @@ def with_norm_modules(model: nn.Module) -> nn.Module:
     Real norms become the family's norm modules, fixed-scale ones `FixedScaleNorm`s. A block whose
     attention-input Q/K path is fixed while its V path is real has no such layout and is refused.
     """
-    from lnfree.export import ExportError, to_eps_trick
-
     try:
         plain = to_eps_trick(model, allow_partial=True)
     except ExportError as err:
@@ -122,8 +118,6 @@ def with_norm_modules(model: nn.Module) -> nn.Module:
 
 
 def _is_lnfree_checkpoint(path: Path) -> Path | None:
-    from lnfree.train import RUN_CONFIG, latest_checkpoint
-
     if (path / RUN_CONFIG).is_file():
         return latest_checkpoint(path)
     if (path / TRAINER_STATE).is_file() and (path / "model.safetensors").is_file():

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.arch import architecture
+from lnfree.arch.base import in_out
 from lnfree.fixedscale.norms import second_moment
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
@@ -111,8 +112,8 @@ def _neuron_weights(module: nn.Module, conv1d: bool, output: bool) -> torch.Tens
     An output projection reads the neurons (Linear: weight (out, in)); an input projection writes
     them (Linear: weight (neurons, in), transposed here). GPT-2's Conv1D stores (in, out).
     """
-    w = module.weight
-    return (w.t() if conv1d else w) if output else (w if conv1d else w.t())
+    w = in_out(module.weight, conv1d)  # (in, out)
+    return w.t() if output else w
 
 
 @torch.no_grad()
@@ -315,6 +316,41 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
         else:
             total = total + ((scale / typical_scale(scale, input_ids, eot_token_id) - 1) ** 2).mean()
     return total / max(1, len(inputs))
+
+
+class ScaleTail(BaseModel):
+    """A hinge on the tail of every norm input's per-token scale (`train.scale_tail`): from step `start`
+    on, each token (position 0 aside) above `ratio`× its norm input's typical scale is pulled back.
+
+    Once a norm is fixed, a token whose input scale is r× the typical one leaves it r× too large, and
+    fixed blocks above amplify it (Gemma 3 270M: the token '::' through the fixed MLP-output norms,
+    experiments/results/gemma3-270m/). The mean-over-tokens scale loss (`scale_loss_weight`) barely
+    sees one such token among thousands; this loss sees nothing else.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    ratio: float = Field(3.0, gt=1, description="tokens above this many times the typical scale are pulled back")
+    weight: float = Field(1.0, ge=0, description="its weight in the loss")
+    start: int = Field(0, ge=0, description="the first step it is on")
+
+    def weight_at(self, step: int) -> float:
+        """The weight at `step` (0 before `start`)."""
+        return self.weight if step >= self.start else 0.0
+
+
+def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,
+                    ratio: float) -> torch.Tensor:
+    """Sum over norm inputs and tokens (position 0 aside) of max(0, log(scale / typical) − log `ratio`)²,
+    per sequence; typical = the geometric mean over the tokens neither at position 0 nor EOT.
+
+    A sum, not a mean: a single token above the threshold at a few norm inputs weighs as much as the
+    cross-entropy of a whole sequence; tokens below the threshold add nothing."""
+    total = torch.zeros((), device=input_ids.device)
+    for x in inputs:
+        log_scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12).log()
+        excess = (log_scale - typical_scale(log_scale, input_ids, eot_token_id) - math.log(ratio)).clamp_min(0)
+        total = total + (excess[:, 1:] ** 2).sum()
+    return total / input_ids.shape[0]
 
 
 def typical_scale(scale: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:

@@ -13,12 +13,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lnfree.arch import UnsupportedModel, architecture
+from lnfree.realtext import REALTEXT_MODEL_DIR
+from lnfree.sources import MODEL_NAMES, SourceError, check_model_source  # noqa: F401 (MODEL_NAMES: read from here too)
+from lnfree.tiny import TINY_MODEL_DIR
 from lnfree.wheels import WHEEL_MODELS, WheelModelError, wheel_model_folder
 
 EPS_TRICK_THRESHOLD = 1e6
 #: A norm weight this large only occurs in the eps-trick format (weights are w·√E/σ, √E ≥ 10⁶).
 EPS_TRICK_WEIGHT = 1e3
-MODEL_NAMES = ("tiny", "realtext", *WHEEL_MODELS)
 # Hub ids of the named models that have one (for model cards' `base_model`).
 HUB_IDS = {name: m.hub_id for name, m in WHEEL_MODELS.items() if m.hub_id}
 
@@ -30,12 +32,8 @@ class ModelError(ValueError):
 def resolve_model_source(name: str) -> str:
     """A model name ('tiny', 'realtext', 'smollm2-135m') → its local folder; otherwise a local folder or a Hub id."""
     if name == "tiny":
-        from lnfree.tiny import TINY_MODEL_DIR
-
         return str(TINY_MODEL_DIR)
     if name == "realtext":
-        from lnfree.realtext import REALTEXT_MODEL_DIR
-
         return str(REALTEXT_MODEL_DIR)
     if name in WHEEL_MODELS:
         try:
@@ -47,8 +45,6 @@ def resolve_model_source(name: str) -> str:
 
 def load_config(name: str):
     """The model's config, with one clear error for anything lnfree does not support."""
-    from lnfree.sources import SourceError, check_model_source
-
     try:
         check_model_source(name)
     except SourceError as err:

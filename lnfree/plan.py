@@ -28,10 +28,13 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from transformers import GPT2Config
 
 from lnfree.arch import architecture
-from lnfree.fixedscale.norms import FOLD_ELEMENTS
+from lnfree.config import load_preset
 from lnfree.distill import resolve_teacher_dtype
+from lnfree.fixedscale.norms import FOLD_ELEMENTS
+from lnfree.models import load_config
 
 GB = 1e9
 #: Share of a GPU's memory a plan may fill: the rest absorbs allocator fragmentation.
@@ -216,10 +219,6 @@ GPT2_SIZES = {
 
 def config_of(model: str):
     """The transformers config of `model`: a known GPT-2 size, else as `lnfree.models.load_config` finds it."""
-    from transformers import GPT2Config
-
-    from lnfree.models import load_config
-
     if model in GPT2_SIZES:
         layers, hidden, heads = GPT2_SIZES[model]
         return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads)
@@ -250,8 +249,6 @@ def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: 
 
 def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: bool = False) -> Plan:
     """The plan of preset `name` on `gpus` GPUs of `gpu_memory_gb` (bf16 autocast)."""
-    from lnfree.config import load_preset
-
     config = load_preset(name)
     model_config = config_of(config.model)
     context = config.data.context_length or model_config.max_position_embeddings

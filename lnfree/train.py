@@ -15,6 +15,7 @@ through an accelerate config).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -41,8 +42,12 @@ from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.derived import STALE_MARKER, mark_derived_outputs
 from lnfree.distill import kl_to_teacher, load_teacher
-from lnfree.layout import CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE  # noqa: F401
-from lnfree.massive import Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, typical_scale
+from lnfree.layout import (  # noqa: F401 (names other modules read from here)
+    CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE, checkpoints, latest_checkpoint,
+)
+from lnfree.massive import (
+    Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, scale_tail_loss, typical_scale,
+)
 from lnfree.models import load_base
 from lnfree.plan import describe_run
 from lnfree.runtime import steady_allocator
@@ -142,7 +147,8 @@ def close_distributed() -> None:
     """Tear down the process group torchrun / accelerate started, after the last collective.
 
     Without it a gloo worker can abort at interpreter exit ("terminate called without an active
-    exception", exit code -6) after a run that finished correctly. Local to each process.
+    exception", exit code -6) after a run that finished correctly. Local to each process; `run`
+    registers it to run at exit in every distributed process, so scripts need not call it.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -236,24 +242,6 @@ def _autocast_factory(config: RunConfig, device: torch.device):
         return contextlib.nullcontext, "no"
     dtype = torch.bfloat16 if choice == "bf16" else torch.float16
     return (lambda: torch.autocast(device.type, dtype=dtype)), choice
-
-
-def checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(complete, incomplete) checkpoint folders of a run, oldest first.
-
-    Incomplete: interrupted while being written (a temporary folder, or an older lnfree's
-    `step_N` folder without its trainer state).
-    """
-    folder = Path(output_dir) / CHECKPOINTS
-    steps = sorted((p for p in folder.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    complete = [p for p in steps if (p / TRAINER_STATE).is_file()]
-    return complete, [p for p in steps if p not in complete] + sorted(folder.glob(PARTIAL + "*"))
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete `checkpoints/step_N` folder of a run, if any."""
-    complete, _ = checkpoints(output_dir)
-    return complete[-1] if complete else None
 
 
 def _resume_checkpoint(out: Path) -> Path:
@@ -474,6 +462,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         project_dir=config.output_dir,
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
+    if accelerator.num_processes > 1:  # whoever called run() (the CLI, a script under torchrun), no gloo abort at exit
+        atexit.register(close_distributed)
     set_seed(config.train.seed)
     on_cpu = accelerator.device.type == "cpu"
     steady = config.train.steady_allocator and on_cpu and steady_allocator()  # large vocabularies: lnfree.runtime
@@ -588,11 +578,12 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if amended:
             log({"event": "amend", "step": start_step, "changed": amended})
     lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
-    norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 else None
+    tail = train.scale_tail
+    norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 or tail is not None else None
     ceiling, ceiling_now = (config.removal.scale_ceiling if removing else None), -1.0
     eps = arch.eps
     distill, alpha = teacher is not None, train.distill_alpha
-    pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, grad_norm), read once per log interval
+    pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, scale, tail, grad_norm), read once per log interval
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
@@ -612,7 +603,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = torch.zeros(5, device=accelerator.device)
+        totals = torch.zeros(6, device=accelerator.device)
+        tail_weight = tail.weight_at(step) if tail is not None else 0.0
         for micro in range(accumulation):
             input_ids = loader.get(step, micro)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
@@ -628,13 +620,17 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                     with torch.no_grad(), autocast():
                         target = teacher(input_ids=input_ids, use_cache=False).logits
                     kl = kl_to_teacher(output.logits, target, train.distill_temperature)
-                spread = torch.zeros_like(ce)
+                spread, excess = torch.zeros_like(ce), torch.zeros_like(ce)
                 if norm_inputs is not None:
-                    spread = scale_loss(norm_inputs.take(), input_ids, data.eot_token_id, arch.norm_kind,
-                                        train.scale_loss_form)
-                loss = (1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
+                    inputs = norm_inputs.take()
+                    spread = scale_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind, train.scale_loss_form)
+                    if tail_weight > 0:
+                        excess = scale_tail_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind, tail.ratio)
+                loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
+                        + tail_weight * excess)
                 accelerator.backward(loss / accumulation)
-            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach(), spread.detach()]) / accumulation
+            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach(), spread.detach(),
+                                   excess.detach()]) / accumulation
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -651,11 +647,13 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if done % train.log_every == 0 or done == train.max_steps:
             values = torch.stack(pending).mean(0).tolist()
             pending.clear()
-            record = dict(zip(("loss", "ce", "aux", "kl", "scale", "grad_norm"), values))
+            record = dict(zip(("loss", "ce", "aux", "kl", "scale", "tail", "grad_norm"), values))
             if not distill:
                 del record["kl"]
-            if norm_inputs is None:
+            if train.scale_loss_weight == 0:
                 del record["scale"]
+            if tail is None:
+                del record["tail"]
             record.update(step=done, lr=lr, tokens=done * train.tokens_per_step,
                           seconds=round(seconds_before + time.perf_counter() - started, 2))
             log(record)

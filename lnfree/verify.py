@@ -13,7 +13,6 @@ fingerprint at export time (sha256 of its weight files, logits of a seeded probe
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -25,7 +24,9 @@ from lnfree.arch import architecture
 from lnfree.export import RECORD
 from lnfree.load import LoadedModel, load
 from lnfree.models import resolve_model_source
-from lnfree.probe import compare_logits, describe_token, logits_fn, probe_batch, sample_tokens, special_ids, text_ids
+from lnfree.probe import (
+    compare_logits, describe_token, file_sha256, logits_fn, probe_batch, probe_logits, special_ids, text_ids,
+)
 
 TOLERANCE = 1e-4
 PROBE_LENGTH = 64  # tokens per probe row (at most the model's context)
@@ -121,37 +122,8 @@ def write_report(report: dict, out: str | Path) -> Path:
     return out
 
 
-# --- Export fingerprint: detects files changed after export, which internal consistency cannot ---
-
-PROBE_SEED = 1234
-PROBE_SHAPE = (2, 16)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@torch.no_grad()
-def probe_logits(model: nn.Module) -> dict[str, list]:
-    """Summary of `model`'s fp32 logits on the seeded probe batch: per-position logsumexp and next-token logits."""
-    ids = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 32, *PROBE_SHAPE, seed=PROBE_SEED)
-    logits = model(input_ids=ids).logits.double()
-    return {
-        "logsumexp": logits.logsumexp(-1).tolist(),
-        "next_token_logits": logits[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist(),
-    }
-
-
-def export_fingerprint(model: nn.Module, folder: Path) -> dict:
-    """What `lnfree verify` checks an export against: sha256 of its weight files and `probe_logits`."""
-    return {
-        "weights_sha256": {f.name: _sha256(f) for f in sorted(Path(folder).glob("*.safetensors"))},
-        "probe": {"seed": PROBE_SEED, "shape": list(PROBE_SHAPE), **probe_logits(model)},
-    }
+# --- Export fingerprint (`lnfree.probe.export_fingerprint`): detects files changed after export, which
+# internal consistency cannot ---
 
 
 def _source_file(source: str, name: str) -> Path | None:
@@ -181,7 +153,7 @@ def check_fingerprint(source: str | Path, loaded: LoadedModel, tolerance: float 
     weights = {}
     for name, expected in fingerprint["weights_sha256"].items():
         path = _source_file(str(source), name)
-        weights[name] = "missing" if path is None else ("match" if _sha256(path) == expected else "changed")
+        weights[name] = "missing" if path is None else ("match" if file_sha256(path) == expected else "changed")
     recorded = fingerprint["probe"]
     now = probe_logits(loaded.model)
     diff = max(

@@ -136,7 +136,7 @@ def test_quiet_libraries_silences_other_libraries_for_the_block_only():
 
 
 def test_default_labels_are_unique_and_explicit_ones_must_be():
-    from lnfree.analysis.common import model_labels
+    from lnfree.results import model_labels
 
     assert model_labels(["runs/tiny-llama", "runs/tiny-llama/export"]) == ["runs/tiny-llama", "tiny-llama/export"]
     assert model_labels(["gpt2", "runs/gpt2/export", "runs/gpt2/control"]) == ["gpt2", "gpt2/export", "control"]

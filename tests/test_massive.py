@@ -4,6 +4,7 @@ keeps a removal finite where the plain recipe explodes."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -222,3 +223,36 @@ def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_p
         return float(scale_loss(inputs.take(), ids, 0, "layer"))
 
     assert spread(pulled.model) < 0.8 * spread(plain.model)  # measured 0.60×
+
+
+def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
+    from lnfree.massive import ScaleTail, scale_tail_loss
+
+    ids = torch.tensor([[5, 6, 7, 0, 8]])  # position 0 and the EOT (id 0) are not typical
+    x = torch.randn(1, 5, 16)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # every token at RMS 1
+    planted = x.clone()
+    planted[0, 0] *= 1000  # position 0: its own business (a special σ), never in the tail
+    planted[0, 2] *= 2.5  # below 3× the typical scale: nothing either
+    assert float(scale_tail_loss([planted], ids, 0, "rms", ratio=3.0)) == 0
+    planted[0, 2] *= 4  # 10× a typical token: the geometric mean over typical tokens is 10^(1/3)
+    planted.requires_grad_(True)
+    loss = scale_tail_loss([planted, x], ids, 0, "rms", ratio=3.0)
+    excess = math.log(10) - math.log(10) / 3 - math.log(3)
+    assert float(loss.detach()) == pytest.approx(excess**2, rel=1e-4)  # one sequence, one token above
+    loss.backward()
+    assert float((planted.grad[0, 2] * planted.detach()[0, 2]).sum()) > 0  # descent shrinks it
+    assert planted.grad[0, [0, 1, 3, 4]].abs().max() < 1e-3 * planted.grad[0, 2].abs().max()
+    tail = ScaleTail(ratio=3.0, weight=0.5, start=10)
+    assert (tail.weight_at(9), tail.weight_at(10)) == (0.0, 0.5)
+
+
+def test_a_run_with_the_tail_loss_logs_it_from_its_start(run_config, tmp_path):
+    config = with_overrides(run_config(max_steps=8, learning_rate=1e-3, eval_every=0),
+                            {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 7}]},
+                             "train.scale_tail": {"ratio": 1.1, "weight": 1.0, "start": 4}})
+    result = run(config, progress=False)
+    records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r for r in records if "loss" in r}
+    assert "scale" not in losses[8]  # the mean scale loss is off (weight 0)
+    assert losses[4]["tail"] == 0 and losses[8]["tail"] > 0  # step 4 is the fourth step done: before `start`

@@ -5,8 +5,8 @@
 #   experiments/gemma3/run.sh [--dry-run] [original|ln_free] [--without-control]
 #     original  (default) the evaluation, every analysis and the norms-fixed-without-fine-tuning table
 #     ln_free   experiments/gemma3/ln_free.toml and its vanilla control, verify, eval, every analysis, summary
-#     --without-control  (ln_free) the removal alone: verify, eval and DLA / residual analyses against the
-#               original, and a summary whose vanilla numbers are pending (when the control cannot run yet)
+#     --without-control  (ln_free) the removal alone: verify, eval and every analysis against the original,
+#               and a summary whose vanilla numbers are pending (when the control cannot run yet)
 #
 # Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
 # (run the same command again, in this or a later session). Runs (weights) go to runs/gemma3-270m/ (not
@@ -53,14 +53,7 @@ else
 fi
 run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
 run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" "${eval_args[@]}" --out "$out/eval"
-if [[ $control == 1 ]]; then
-  run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
-    --out "$out/analysis"
-else
-  for name in dla residual; do
-    run "$out/analysis/$name" lnfree analyze "$name" --models "${models[@]}" --labels "${labels[@]}" \
-      "${analysis_args[@]}" --out "$out/analysis/$name"
-  done
-fi
+run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels "${labels[@]}" "${analysis_args[@]}" \
+  --out "$out/analysis"
 [[ $DRY_RUN == 1 ]] && exit 0
 "$(python_bin)" experiments/smollm2/summary.py ln_free --runs "$runs" --out "$out" --command "experiments/gemma3/run.sh ln_free"

@@ -37,7 +37,7 @@ from lnfree.export import load_checkpoint
 from lnfree.layout import LOG
 from lnfree.massive import find_massive_neurons, massive_scales, scale_neurons
 from lnfree.models import load_base
-from lnfree.train import checkpoints
+from lnfree.layout import checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modern"))
 from scales_over_training import figure, scales_over_training  # noqa: E402  (one home for it)

@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lnfree.train import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 
 def _json(path: Path) -> dict:
@@ -42,6 +42,32 @@ def dla_nmae(out: Path) -> dict:
                     "final_norm": m.get("final_norm")} for label, m in models.items()}
 
 
+def analyses(out: Path) -> dict:
+    """Per model: attention-sink rates, the largest position-0 residual norm ratio, and attribution vs
+    activation patching NMAE (from OUT/analysis/index.json, when `lnfree analyze all` wrote one)."""
+    index = out / "analysis" / "index.json"
+    if not index.is_file():
+        return {}
+    found = _json(index)["analyses"]
+    residual, patching = found.get("residual", {}).get("models", {}), found.get("patching", {}).get("models", {})
+    return {label: {"sink_rate": residual[label]["sink_rate"],
+                    "max_norm_ratio_position_0": residual[label]["max_norm_ratio_position_0"],
+                    **({"patching_nmae": {kind: agreement["nmae"]["value"] for kind, agreement in
+                                          patching[label]["agreement"].items()}} if label in patching else {})}
+            for label in residual}
+
+
+def verified(out: Path) -> dict:
+    """`lnfree verify`'s verdict and its checks' largest differences (OUT/verify.json), when it ran."""
+    path = out / "verify.json"
+    if not path.is_file():
+        return {}
+    report = _json(path)
+    checks = {name: {key: value for key, value in check.items() if key != "note"}
+              for name, check in report["checks"].items()}
+    return {"verify": {"ok": report["ok"], "checks": checks}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["ln_f_only", "ln_free"])
@@ -62,13 +88,16 @@ def main() -> None:
     summary = {
         "model": config["model"],
         "stage": args.stage,
-        "norms_fixed": sum(state.get("fixed", state.get("fake", False)) for state in norms.values()),  # older exports say "fake"
+        # checkpoints of lnfree before the rename say "fake"
+        "norms_fixed": sum(state.get("fixed", state.get("fake", False)) for state in norms.values()),
         "norms_total": len(norms),
         "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": vanilla_ce,
                        "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
                        "ln_free_minus_vanilla": None if vanilla_ce is None else ce[args.stage] - vanilla_ce},
         "jsd_to_original": {"ln_free": jsd[args.stage], "vanilla": jsd["vanilla"] if control_done else None},
         "dla_vs_de_head_nmae": dla_nmae(args.out),
+        "analyses": analyses(args.out),
+        **verified(args.out),
         **({"massive_neurons": json.loads(massive.read_text())} if massive.is_file() else {}),
         "tokens_trained": config["train"]["max_steps"] * config["train"]["tokens_per_step"],
         "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control) if control_done else None},

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import importlib
 import time
 from pathlib import Path
@@ -37,9 +36,16 @@ def run_analyses(
     tokenizer that has no single-token names) is skipped with its reason in the index's
     ``skipped``; the others still run. Figures share one offline copy of plotly.js in `out`.
     """
-    from lnfree.analysis.common import (NotApplicable, analysis_progress, evaluation_tokens, load_models,
-                                        quiet_libraries, shared_plotly_js, write_summary, TIMINGS)  # fmt: skip
+    from lnfree.analysis.common import (
+        NotApplicable,
+        analysis_progress,
+        evaluation_tokens,
+        load_models,
+        quiet_libraries,  # fmt: skip
+        shared_plotly_js,
+    )
     from lnfree.data import bos_token, tokenizer_fingerprint
+    from lnfree.results import TIMINGS, write_summary
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lnfree.analysis.common import AnalysisModel, ratio_of_means_ci, write_figure, write_summary, write_table
+from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.results import ratio_of_means_ci, write_summary, write_table
 from lnfree.bridge import (
     ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, norm_weight, residual_decomposition,
 )

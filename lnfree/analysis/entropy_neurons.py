@@ -76,9 +76,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lnfree.analysis.common import (
-    TIMINGS, AnalysisModel, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table,
-)
+from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.results import TIMINGS, bootstrap_ci, ratio_of_means_ci, write_summary, write_table
 from lnfree.bridge import hook_name, norm_centres, norm_weight
 from lnfree.evaluate import token_statistics
 

@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lnfree.analysis.common import TIMINGS, bootstrap_ci, ratio_of_means_ci, write_figure, write_summary, write_table
+from lnfree.analysis.common import write_figure
+from lnfree.results import TIMINGS, bootstrap_ci, ratio_of_means_ci, write_summary, write_table
 from lnfree.analysis.ioi import DEFAULT_TEMPLATES, IOIPrompts, make_ioi_prompts
 from lnfree.bridge import hook_name
 

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from lnfree.arch import architecture
-from lnfree.analysis.common import AnalysisModel, bootstrap_ci, write_figure, write_summary, write_table
+from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.results import bootstrap_ci, write_summary, write_table
 from lnfree.bridge import hook_name
 
 __all__ = [

@@ -207,6 +207,11 @@ def set_norm_eps(module: nn.Module, value: float) -> None:
     raise TypeError(f"{type(module).__name__} is not a LayerNorm or RMSNorm")
 
 
+def in_out(weight: torch.Tensor, conv1d: bool) -> torch.Tensor:
+    """A projection's weight as an (in, out) view: GPT-2's Conv1D stores it so, `nn.Linear` as (out, in)."""
+    return weight if conv1d else weight.t()
+
+
 def column_selector(v_columns: Any) -> Any:
     """A `Consumer.v_columns` as what `NormalisedProjection` takes (tuples become index tensors)."""
     if isinstance(v_columns, tuple):

@@ -40,9 +40,20 @@ from lnfree.evaluate.datasets import EvalError, load_sequences, presets, resolve
 from lnfree.evaluate.models import EvalModel, load_models, resolve_device
 from lnfree.evaluate.output import markdown, write_report
 from lnfree.evaluate.run import EvalReport, evaluate, evaluate_models
-from lnfree.evaluate.scoring import SCORING_CONVENTION, TokenScores, js_divergence, score, token_statistics
-from lnfree.evaluate.summaries import (DEFAULT_THRESHOLD, distribution, expected_calibration_error, outliers,
-                                       position_edges)
+from lnfree.evaluate.scoring import (
+                                       SCORING_CONVENTION,
+                                       TokenScores,
+                                       js_divergence,
+                                       score,
+                                       token_statistics,
+)
+from lnfree.evaluate.summaries import (
+                                       DEFAULT_THRESHOLD,
+                                       distribution,
+                                       expected_calibration_error,
+                                       outliers,
+                                       position_edges,
+)
 
 __all__ = [
     "BENCHMARKS", "DEFAULT_THRESHOLD", "SCORING_CONVENTION", "BenchmarkUnavailable", "EvalError", "EvalModel",

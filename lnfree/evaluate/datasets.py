@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from lnfree.data import tokenizer_fingerprint
+from lnfree.config import DataConfig, load_preset
+from lnfree.data import (
+    DataError,
+    _local_dataset,
+    prepare_data,
+    prepend_bos,
+    tokenizer_fingerprint,
+)
 
 
 class EvalError(ValueError):
@@ -36,8 +43,6 @@ class DatasetPreset:
 
 
 def _owt_preset() -> DatasetPreset:
-    from lnfree.config import load_preset
-
     data = load_preset("gpt2").data  # one source of truth for the nanoGPT split
     return DatasetPreset(
         "owt-val", "OpenWebText, nanoGPT validation split", data.source, "heldout-split", 1024, None,
@@ -185,14 +190,9 @@ def load_sequences(
     `bos_token_id` (models that need one: `lnfree.data.bos_token`), each is that token and context − 1 tokens.
     """
     if bos_token_id is not None and spec.how != "tiny":  # a document's own BOS may remain inside a sequence
-        from lnfree.data import prepend_bos
-
         return prepend_bos(load_sequences(spec, tokenizer, context=context - 1, n_sequences=n_sequences,
                                           vocab_size=vocab_size, cache_dir=cache_dir, progress=progress), bos_token_id)
     if spec.how == "tiny":
-        from lnfree.config import load_preset
-        from lnfree.data import prepare_data
-
         config = load_preset(spec.source).data.model_copy(update={"context_length": context, "cache_dir": cache_dir})
         held_out = prepare_data(config, tokenizer, context, vocab_size, bos_token_id).held_out
         sequences = np.asarray(held_out[: n_sequences or len(held_out)], dtype=np.int64)
@@ -203,9 +203,6 @@ def load_sequences(
         n = len(stream) // context if n_sequences is None else min(n_sequences, len(stream) // context)
         sequences = np.asarray(stream[: n * context], dtype=np.int64).reshape(n, context)
     elif spec.how == "local":
-        from lnfree.config import DataConfig
-        from lnfree.data import DataError, _local_dataset
-
         try:
             dataset = _local_dataset(Path(spec.source), DataConfig(source=spec.source, split=spec.split))
         except DataError as err:

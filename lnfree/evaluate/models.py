@@ -10,9 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lnfree.analysis.common import model_labels
+from lnfree.arch import architecture
+from lnfree.arch.base import norm_eps
 from lnfree.evaluate.datasets import EvalError
 from lnfree.layout import RUN_CONFIG, TRAINER_STATE
+from lnfree.load import load
+from lnfree.models import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, resolve_model_source
+from lnfree.results import model_labels
 
 FORMS = ("hf", "folded", "plain")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -54,13 +58,6 @@ def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:
     """The checkpoint exactly as `transformers` loads it (an export's eps-trick norms included)."""
     from transformers import AutoModelForCausalLM
 
-    from lnfree.arch import architecture
-    from lnfree.arch.base import norm_eps
-    from lnfree.models import (
-        EPS_TRICK_THRESHOLD,
-        EPS_TRICK_WEIGHT,
-        resolve_model_source,
-    )
 
     location = resolve_model_source(source)
     if (Path(location) / RUN_CONFIG).is_file() or (Path(location) / TRAINER_STATE).is_file():
@@ -88,8 +85,6 @@ def load_models(
     (models that still have real norms stay in ``hf`` form, recorded as such); ``plain`` the
     checkpoint as `GPT2LMHeadModel.from_pretrained` gives it (eps-trick norms for exports).
     """
-    from lnfree.load import load
-
     if form not in FORMS:
         raise EvalError(f"unknown form {form!r}; use one of {', '.join(FORMS)}")
     if dtype not in DTYPES:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lnfree.analysis.common import write_summary, write_table
 from lnfree.derived import clear_stale
 from lnfree.evaluate.run import EvalReport
 from lnfree.evaluate.scoring import UNITS
 from lnfree.evaluate.summaries import sequence_table
+from lnfree.results import write_summary, write_table
 
 
 def _safe(label: str) -> str:

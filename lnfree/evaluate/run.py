@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from lnfree.data import tokenizer_fingerprint
+from lnfree.data import bos_token, tokenizer_fingerprint
 from lnfree.evaluate.benchmarks import BENCHMARKS, _require_lm_eval
 from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
 from lnfree.evaluate.models import EvalModel, load_models, resolve_device
@@ -121,8 +121,6 @@ def evaluate_models(
 
 
 def _bos(model: EvalModel) -> int | None:
-    from lnfree.data import bos_token
-
     config = getattr(model.module, "config", None)
     return bos_token(config, model.tokenizer) if config is not None else None
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lnfree.analysis.common import bootstrap_ci
 from lnfree.evaluate.models import EvalModel
 from lnfree.evaluate.scoring import TokenScores
+from lnfree.results import bootstrap_ci
 
 #: Per-token CE (nats) above which a token is listed as an outlier. P25 (App. E) lists GPT-2 XL
 #: LN-free's Pile tokens above 50; the original model's p99.9 there is 43.

@@ -1,0 +1,37 @@
+"""The package's import graph: every module imports what it needs at the top, so there are no hidden
+import cycles; only the command line defers its imports (a command loads torch only when it runs)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lnfree
+
+PACKAGE = Path(lnfree.__file__).parent
+#: Files allowed to import lnfree modules inside functions, and why.
+DEFERRED = {
+    "cli.py": "the CLI imports a command's modules when it runs (`lnfree --help` stays fast)",
+    "analysis/cli.py": "imported by the CLI at start-up: same reason",
+    "realtext/__init__.py": "the corpus module loads on first use, so `python -m lnfree.realtext.corpus` runs it once",
+}
+
+
+def deferred_imports(path: Path) -> list[str]:
+    """`module:line` of each `lnfree` import inside a function of `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                names = ([inner.module or ""] if isinstance(inner, ast.ImportFrom) else
+                         [a.name for a in inner.names] if isinstance(inner, ast.Import) else [])
+                if any(name == "lnfree" or name.startswith("lnfree.") for name in names):
+                    found.append(f"{path.relative_to(PACKAGE)}:{inner.lineno}")
+    return found
+
+
+def test_modules_import_lnfree_at_the_top_only_the_cli_defers():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if str(path.relative_to(PACKAGE)) not in DEFERRED
+             for hit in deferred_imports(path)]
+    assert found == [], f"imports inside functions (an import cycle or a slow import hidden?): {found}"
+    assert deferred_imports(PACKAGE / "cli.py"), "the check finds deferred imports where there are some"
