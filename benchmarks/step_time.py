@@ -209,7 +209,7 @@ def step_variants(shape: str, args) -> dict[str, Callable[[], None]]:
     surgery.initialise_sigmas(real, [ids])
     fixed = copy.deepcopy(real)
     for state in surgery.scale_states(fixed).values():
-        state.switch_to_fake()
+        state.switch_to_fixed()
     # Every variant times a deep copy (the plain one too), so that no model keeps the scattered
     # memory of its random initialisation.
     variants = {PLAIN: make_step(copy.deepcopy(base), ids, False),
@@ -243,7 +243,7 @@ def fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, par
 def _fixed(states: list[ScaleState], sigmas: list[float]) -> None:
     for state, sigma in zip(states, sigmas):
         state.sigma.fill_(sigma)
-        state.switch_to_fake()
+        state.switch_to_fixed()
 
 
 Site = dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], list[nn.Parameter]]]

@@ -6,8 +6,8 @@ longer run, or a ceiling released later, and still be one run (one log, one cloc
 `lnfree remove --resume` accepts such a config when it provably trains the same model up to the
 checkpoint: the same recipe in every field, and in the fields that are functions of the step (the
 schedule, the learning-rate curve, the scale ceiling, the scale tail loss) the same value at every
-step before it. The
-run config then records the new plan, and the log an `amend` record with each change.
+step before it. The run config then records the new plan, and the log an `amend` record with each
+change.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lnfree.config import RunConfig
 from lnfree.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
-#: resume step on (the learning rate curve, the removal events, the ceiling's value and release).
+#: resume step on (the learning-rate curve, the tail loss's weight, the removal events, the ceiling).
 FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "scale_tail"), "removal": ("schedule", "scale_ceiling")}
 
 

@@ -323,7 +323,7 @@ class ScaleTail(BaseModel):
     on, each token (position 0 aside) above `ratio`× its norm input's typical scale is pulled back.
 
     Once a norm is fixed, a token whose input scale is r× the typical one leaves it r× too large, and
-    fixed blocks above amplify it (Gemma 3 270M: the token '::' through the fixed MLP-output norms,
+    fixed blocks above amplify it (Gemma 3 270M: rare tokens through its fixed MLP-output norms,
     experiments/results/gemma3-270m/). The mean-over-tokens scale loss (`scale_loss_weight`) barely
     sees one such token among thousands; this loss sees nothing else.
     """

@@ -147,7 +147,9 @@ def close_distributed() -> None:
     """Tear down the process group torchrun / accelerate started, after the last collective.
 
     Without it a gloo worker can abort at interpreter exit ("terminate called without an active
-    exception", exit code -6) after a run that finished correctly. Local to each process; `run`
+    exception", exit code -6) after a run that finished correctly: gloo's worker threads still hold
+    work objects whose tensors are freed while the interpreter is torn down (the cause named in
+    pytorch/pytorch#179291, which proposed the same remedy in torch). Local to each process; `run`
     registers it to run at exit in every distributed process, so scripts need not call it.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -1,0 +1,63 @@
+"""Which held-out sequences and tokens run away in a removal checkpoint, without its scale ceiling.
+
+    python experiments/gemma3/runaway_tokens.py CHECKPOINT --out DIR [--n-sequences 66] [--batch 6]
+
+The run's evaluation logs one held-out CE under the ceiling and one without it (NaN as soon as one
+token overflows). This splits the held-out sequences (BOS first, as the run reads them) into batches
+and measures each without the ceiling: its CE, and the token whose residual RMS is the largest
+multiple of the median token's at any block (position 0 aside), with position 0's ratio
+(`experiments/gemma3/post_mlp_runaway.py`'s `measure`). Writes results.json and tables.md to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from post_mlp_runaway import measure  # noqa: E402
+
+from lnfree.config import DataConfig  # noqa: E402
+from lnfree.data import bos_token, prepare_data  # noqa: E402
+from lnfree.export import load_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--n-sequences", type=int, default=66)
+    parser.add_argument("--batch", type=int, default=6)
+    args = parser.parse_args()
+    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    model.eval()
+    data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences),
+                        tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
+    tokens = data.eval_batch(args.n_sequences)
+    rows = []
+    with torch.no_grad():
+        for first in range(0, args.n_sequences, args.batch):
+            batch = tokens[first:first + args.batch]
+            rows.append({"sequences": f"{first}–{first + len(batch) - 1}", **measure(model, batch, tokenizer)})
+            print(rows[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": rows}, indent=1))
+    finite = [r["ce"] for r in rows if math.isfinite(r["ce"])]
+    lines = [f"# Held-out sequences of {args.checkpoint.name} without the scale ceiling", "",
+             f"{len(rows)} batches of {args.batch} sequences; {len(finite)} finite, their CE "
+             f"{min(finite):.3f}–{max(finite):.3f}.", "",
+             "| sequences | CE | max token RMS / median (block) | token (position) | position 0 / median |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['sequences']} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} "
+              f"({r['position']}) | {r['position0_max_ratio']:.3g} |" for r in rows]
+    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
