@@ -39,7 +39,7 @@ def amendment(
     """
     fixed = {section: (*FUTURE_FIELDS.get(section, ()), *ignore.get(section, ()))
              for section in {*FUTURE_FIELDS, *ignore}}
-    before, after = _without(fixed, stored), _without(fixed, config)
+    before, after = without_fields(fixed, stored), without_fields(fixed, config)
     if before != after:
         changed = sorted(_changed_fields(before, after))
         raise AmendError(f"{', '.join(changed)} changed: only the plan after the checkpoint (train.max_steps, "
@@ -79,7 +79,8 @@ def _tail(config: RunConfig, step: int) -> tuple[float, float | None]:
     return weight, tail.ratio if weight > 0 else None
 
 
-def _without(fields: dict[str, tuple[str, ...]], config: RunConfig) -> dict:
+def without_fields(fields: dict[str, tuple[str, ...]], config: RunConfig) -> dict:
+    """`config` as JSON without `fields` ({section: names})."""
     data = json.loads(config.model_dump_json())
     for section, names in fields.items():
         for name in names:

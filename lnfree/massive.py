@@ -309,7 +309,7 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     """
     total = torch.zeros((), device=input_ids.device)
     for x in inputs:
-        scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12)
+        scale = _scale_with_grad(x, kind)
         if form == "log":  # against the geometric mean: one runaway token barely moves it
             log_scale = scale.log()
             total = total + ((log_scale - typical_scale(log_scale, input_ids, eot_token_id)) ** 2).mean()
@@ -347,10 +347,16 @@ def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_tok
     cross-entropy of a whole sequence; tokens below the threshold add nothing."""
     total = torch.zeros((), device=input_ids.device)
     for x in inputs:
-        log_scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12).log()
+        log_scale = _scale_with_grad(x, kind).log()
         excess = (log_scale - typical_scale(log_scale, input_ids, eot_token_id) - math.log(ratio)).clamp_min(0)
         total = total + (excess[:, 1:] ** 2).sum()
     return total / input_ids.shape[0]
+
+
+def _scale_with_grad(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each token's scale as its norm computes it, in fp32, with its gradient (the losses' input;
+    `lnfree.fixedscale.norms.token_scale` is the detached one)."""
+    return torch.sqrt(second_moment(x.float(), kind) + 1e-12)
 
 
 def typical_scale(scale: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:

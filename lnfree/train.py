@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lnfree import surgery
-from lnfree.amend import AmendError, amendment
+from lnfree.amend import AmendError, amendment, without_fields
 from lnfree.arch import architecture
 from lnfree.fixedscale.norms import second_moment
 from lnfree.ceiling import set_ceiling, watching
@@ -395,11 +395,7 @@ BOOKKEEPING_FIELDS = {"train": ("eval_every", "log_every", "save_every", "keep_c
 
 def _trajectory(config: RunConfig) -> dict:
     """`config` as JSON without its bookkeeping fields: two configs equal here train the same model."""
-    data = json.loads(config.model_dump_json())
-    for section, names in BOOKKEEPING_FIELDS.items():
-        for name in names:
-            data[section].pop(name, None)
-    return data
+    return without_fields(BOOKKEEPING_FIELDS, config)
 
 
 def _bookkeeping_changes(old: RunConfig, new: RunConfig) -> list[str]:
@@ -625,7 +621,9 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                 spread, excess = torch.zeros_like(ce), torch.zeros_like(ce)
                 if norm_inputs is not None:
                     inputs = norm_inputs.take()
-                    spread = scale_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind, train.scale_loss_form)
+                    if train.scale_loss_weight > 0:
+                        spread = scale_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind,
+                                            train.scale_loss_form)
                     if tail_weight > 0:
                         excess = scale_tail_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind, tail.ratio)
                 loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread

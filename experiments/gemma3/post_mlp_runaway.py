@@ -41,6 +41,18 @@ def measure(model, tokens: torch.Tensor, tokenizer) -> dict:
             "position0_max_ratio": float(pos0.max())}
 
 
+def write_rows(out: Path, checkpoint: Path, rows: list[dict], key: str, column: str, head: list[str]) -> None:
+    """results.json and tables.md in `out`: one table row per `measure` row, labelled by `row[key]`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"checkpoint": str(checkpoint), "rows": rows}, indent=1))
+    lines = [*head, f"| {column} | held-out CE | max token RMS / median (block) | token (position) | "
+             "position 0 / median |", "|---|---|---|---|---|"]
+    lines += [f"| {r[key]} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} "
+              f"({r['position']}) | {r['position0_max_ratio']:.3g} |" for r in rows]
+    (out / "tables.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
@@ -60,16 +72,8 @@ def main() -> None:
         states[slot].switch_to_fixed()
         rows.append({"fixed": f"+ {slot}", **measure(model, tokens, tokenizer)})
         print(rows[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": rows}, indent=1))
-    lines = [f"# Fixing the remaining post_mlp norms of {args.checkpoint.name} without training", "",
-             "| fixed (cumulative) | held-out CE | max token RMS / median (block) | token (position) | position 0 / median |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['fixed']} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} ({r['position']}) | "
-              f"{r['position0_max_ratio']:.3g} |" for r in rows]
-    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_rows(args.out, args.checkpoint, rows, "fixed", "fixed (cumulative)",
+               [f"# Fixing the remaining post_mlp norms of {args.checkpoint.name} without training", ""])
 
 if __name__ == "__main__":
     main()

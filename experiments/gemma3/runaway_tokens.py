@@ -12,7 +12,6 @@ multiple of the median token's at any block (position 0 aside), with position 0'
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from post_mlp_runaway import measure  # noqa: E402
+from post_mlp_runaway import measure, write_rows  # noqa: E402
 
 from lnfree.config import DataConfig  # noqa: E402
 from lnfree.data import bos_token, prepare_data  # noqa: E402
@@ -45,19 +44,11 @@ def main() -> None:
             batch = tokens[first:first + args.batch]
             rows.append({"sequences": f"{first}–{first + len(batch) - 1}", **measure(model, batch, tokenizer)})
             print(rows[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": rows}, indent=1))
     finite = [r["ce"] for r in rows if math.isfinite(r["ce"])]
-    lines = [f"# Held-out sequences of {args.checkpoint.name} without the scale ceiling", "",
-             f"{len(rows)} batches of {args.batch} sequences; {len(finite)} finite, their CE "
-             f"{min(finite):.3f}–{max(finite):.3f}.", "",
-             "| sequences | CE | max token RMS / median (block) | token (position) | position 0 / median |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['sequences']} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} "
-              f"({r['position']}) | {r['position0_max_ratio']:.3g} |" for r in rows]
-    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_rows(args.out, args.checkpoint, rows, "sequences", "sequences",
+               [f"# Held-out sequences of {args.checkpoint.name} without the scale ceiling", "",
+                f"{len(rows)} batches of {args.batch} sequences; {len(finite)} finite, their CE "
+                f"{min(finite):.3f}–{max(finite):.3f}.", ""])
 
 if __name__ == "__main__":
     main()
