@@ -29,7 +29,8 @@ from lnfree.arch import architecture
 from lnfree.config import load_preset
 from lnfree.data import StepBatches, prepare_data
 from lnfree.models import load_base
-from lnfree.train import auxiliary_loss, learning_rate, make_optimizer, micro_batches, resolve_run, run
+from lnfree.objective import auxiliary_loss
+from lnfree.train import learning_rate, make_optimizer, micro_batches, resolve_run, run
 
 
 def minimal_loop(config) -> float:

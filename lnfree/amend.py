@@ -5,7 +5,7 @@ able to continue from its step-600 checkpoint with a slower pace for the norms s
 longer run, or a ceiling released later, and still be one run (one log, one clock, one token count).
 `lnfree remove --resume` accepts such a config when it provably trains the same model up to the
 checkpoint: the same recipe in every field, and in the fields that are functions of the step (the
-schedule, the learning-rate curve, the scale ceiling, the scale tail loss) the same value at every
+schedule, the learning-rate curve, the scale ceiling, the tail losses) the same value at every
 step before it. The run config then records the new plan, and the log an `amend` record with each
 change.
 """
@@ -19,8 +19,10 @@ from lnfree.config import RunConfig
 from lnfree.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
-#: resume step on (the learning-rate curve, the tail loss's weight, the removal events, the ceiling).
-FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "scale_tail"), "removal": ("schedule", "scale_ceiling")}
+#: resume step on (the learning-rate curve, the tail losses' weights, the removal events, the ceiling).
+FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "scale_tail", "position0_tail"),
+                 "removal": ("schedule", "scale_ceiling")}
+TAILS = ("scale_tail", "position0_tail")
 
 
 class AmendError(ValueError):
@@ -42,8 +44,8 @@ def amendment(
     before, after = without_fields(fixed, stored), without_fields(fixed, config)
     if before != after:
         changed = sorted(_changed_fields(before, after))
-        raise AmendError(f"{', '.join(changed)} changed: only the plan after the checkpoint (train.max_steps, "
-                         "train.cosine_steps, train.scale_tail, removal.schedule, removal.scale_ceiling) may change "
+        future = ", ".join(f"{section}.{name}" for section, names in FUTURE_FIELDS.items() for name in names)
+        raise AmendError(f"{', '.join(changed)} changed: only the plan after the checkpoint ({future}) may change "
                          "on resume")
     if stored.removal.adaptive is not None and stored.removal.schedule != config.removal.schedule:
         raise AmendError("an adaptive schedule cannot be amended: its steps depend on the losses it saw")
@@ -57,8 +59,9 @@ def amendment(
                         f"{stored.train.cosine_steps or stored.train.max_steps} when max_steps grows)")
     if any(_ceiling(stored, s) != _ceiling(config, s) for s in range(step)):
         problems.append(f"the scale ceiling before step {step} (set removal.scale_ceiling.release_start)")
-    if any(_tail(stored, s) != _tail(config, s) for s in range(step)):
-        problems.append(f"the scale tail loss before step {step} (set train.scale_tail.start)")
+    for name in TAILS:
+        if any(_tail(stored, name, s) != _tail(config, name, s) for s in range(step)):
+            problems.append(f"the {name} loss before step {step} (set train.{name}.start)")
     if problems:
         raise AmendError(f"the new config changes steps this run has trained: {'; '.join(problems)}")
     return sorted(_changed_fields(_future(stored), _future(config)))
@@ -73,8 +76,8 @@ def _ceiling(config: RunConfig, step: int) -> float | None:
     return None if ceiling is None else ceiling.at(step, config.train.max_steps)
 
 
-def _tail(config: RunConfig, step: int) -> tuple[float, float | None]:
-    tail = config.train.scale_tail
+def _tail(config: RunConfig, name: str, step: int) -> tuple[float, float | None]:
+    tail = getattr(config.train, name)
     weight = 0.0 if tail is None else tail.weight_at(step)
     return weight, tail.ratio if weight > 0 else None
 

@@ -75,6 +75,10 @@ class TrainConfig(_Strict):
     scale_tail: ScaleTail | None = Field(
         None, description="a hinge on the tokens above ratio × the typical scale at every norm input (lnfree.massive)"
     )
+    position0_tail: ScaleTail | None = Field(
+        None, description="the same hinge on position 0 alone: pulls a massive first token in before its own σ "
+        "(removal.special_pos0) is faded out"
+    )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
         "student) per token; 0 is off"

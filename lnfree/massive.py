@@ -339,9 +339,10 @@ class ScaleTail(BaseModel):
 
 
 def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,
-                    ratio: float) -> torch.Tensor:
+                    ratio: float, position0: bool = False) -> torch.Tensor:
     """Sum over norm inputs and tokens (position 0 aside) of max(0, log(scale / typical) − log `ratio`)²,
     per sequence; typical = the geometric mean over the tokens neither at position 0 nor EOT.
+    `position0`: the same hinge on position 0 alone (`train.position0_tail`).
 
     A sum, not a mean: a single token above the threshold at a few norm inputs weighs as much as the
     cross-entropy of a whole sequence; tokens below the threshold add nothing."""
@@ -349,7 +350,7 @@ def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_tok
     for x in inputs:
         log_scale = _scale_with_grad(x, kind).log()
         excess = (log_scale - typical_scale(log_scale, input_ids, eot_token_id) - math.log(ratio)).clamp_min(0)
-        total = total + (excess[:, 1:] ** 2).sum()
+        total = total + ((excess[:, :1] if position0 else excess[:, 1:]) ** 2).sum()
     return total / input_ids.shape[0]
 
 

@@ -10,13 +10,13 @@ it and `verify` compares every representation on it.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lnfree.arch import architecture
+from lnfree.layout import file_sha256
 
 #: At most this many special token ids get rows of their own (tokenizers with thousands of added
 #: tokens would otherwise make the probe larger than the model's forward budget).
@@ -136,15 +136,6 @@ def describe_token(ids: torch.Tensor, where: tuple[int, int], tokenizer=None) ->
 #: The seeded batch an export's fingerprint records logits on (`export_fingerprint`, `lnfree verify`).
 PROBE_SEED = 1234
 PROBE_SHAPE = (2, 16)
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @torch.no_grad()

@@ -1,16 +1,15 @@
 """The removal (or vanilla-control) fine-tuning run, readable top to bottom.
 
 One optimiser step: apply this step's removal actions (`lnfree.timeline`: scheduled or adaptive
-events, instant or gradual), run the micro-batches (cross-entropy + auxiliary loss at the ln_f
-input, optionally distillation to the frozen original model; bf16 autocast over fp32 weights on
-GPU), clip, step AdamW at the warm-up/cosine learning rate, then fold the gathered per-token std
-statistics into every real norm's σ (pooled over ranks). Data and learning rate are pure functions
-of the step and the timeline's state is checkpointed, so a run resumed from any checkpoint
-continues exactly. Checkpoints
-are written to a temporary folder and renamed when complete, so a kill loses at most the steps
-since the last one.
-Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate launch``: DDP, or FSDP
-through an accelerate config).
+events, instant or gradual), run the micro-batches on the run's loss (`lnfree.objective`:
+cross-entropy, distillation to the frozen original, the auxiliary, scale and tail terms; bf16
+autocast over fp32 weights on GPU), clip, step AdamW at the warm-up/cosine learning rate, then
+fold the gathered per-token statistics into every real norm's σ (pooled over ranks). Data and
+learning rate are pure functions of the step and the timeline's state is checkpointed, so a run
+resumed from any checkpoint continues exactly. Checkpoints are written to a temporary folder and
+renamed when complete, so a kill loses at most the steps since the last one. Multi-GPU runs go
+through accelerate (``torchrun`` or ``accelerate launch``: DDP, or FSDP through an accelerate
+config).
 """
 
 from __future__ import annotations
@@ -36,19 +35,17 @@ from tqdm.auto import tqdm
 from lnfree import surgery
 from lnfree.amend import AmendError, amendment, without_fields
 from lnfree.arch import architecture
-from lnfree.fixedscale.norms import second_moment
 from lnfree.ceiling import set_ceiling, watching
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.derived import STALE_MARKER, mark_derived_outputs
-from lnfree.distill import kl_to_teacher, load_teacher
+from lnfree.distill import load_teacher
 from lnfree.layout import (  # noqa: F401 (names other modules read from here)
     CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE, checkpoints, latest_checkpoint,
 )
-from lnfree.massive import (
-    Damping, NormInputs, find_massive_neurons, massive_scales, scale_loss, scale_tail_loss, typical_scale,
-)
+from lnfree.massive import Damping, find_massive_neurons, massive_scales
 from lnfree.models import load_base
+from lnfree.objective import TERMS, Objective
 from lnfree.plan import describe_run
 from lnfree.runtime import steady_allocator
 from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
@@ -179,31 +176,6 @@ def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=config.train.betas)
-
-
-class LnfInput:
-    """Keeps the input of the final norm from the latest forward pass (a registered forward pre-hook)."""
-
-    def __init__(self, ln_f: nn.Module):
-        self.value: torch.Tensor | None = None
-        self.handle = ln_f.register_forward_pre_hook(self._keep)
-
-    def _keep(self, module: nn.Module, args: tuple) -> None:
-        self.value = args[0]
-
-
-def auxiliary_loss(
-    resid: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int, eps: float, kind: str = "layer",
-) -> torch.Tensor:
-    """Mean squared deviation of the per-token scale at the final-norm input from its typical value.
-
-    The scale is the norm's own: std for LayerNorm (`kind="layer"`), RMS for RMSNorm.
-
-    The target is the detached mean std over tokens that are neither at position 0 nor EOT
-    (DESIGN.md §1); the loss covers every token, pulling the outliers towards the target.
-    """
-    std = torch.sqrt(second_moment(resid.float(), kind) + eps)
-    return ((std - typical_scale(std, input_ids, eot_token_id)) ** 2).mean()
 
 
 @torch.no_grad()
@@ -452,7 +424,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         return _run(config, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) -> RunResult:
+def _accelerator(config: RunConfig) -> Accelerator:
     accelerator = Accelerator(
         cpu=not torch.accelerator.is_available(),  # lets torchrun start gloo processes on CPU-only hosts
         mixed_precision="no",  # autocast is applied explicitly below; weights stay fp32
@@ -462,6 +434,72 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     )
     if accelerator.num_processes > 1:  # whoever called run() (the CLI, a script under torchrun), no gloo abort at exit
         atexit.register(close_distributed)
+    return accelerator
+
+
+def _context_length(config: RunConfig, n_positions: int | None) -> int:
+    context = config.data.context_length or n_positions
+    if context is None:
+        raise RunError("this model has no maximum context length; set data.context_length")
+    if n_positions is not None and context > n_positions:
+        raise RunError(f"context_length {context} exceeds the model's n_positions {n_positions}")
+    return context
+
+
+def _prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device) -> nn.Module | None:
+    """Install the fixed-scale norms (a removal run), set dropout, checkpointing and compilation, and
+    move `model` to `device`; return the distillation teacher (None without distillation)."""
+    removal, train = config.removal, config.train
+    if removal.mode == "remove":
+        surgery.install(model, special_pos0=removal.special_pos0, special_eot=removal.special_eot,
+                        eot_token_id=eot_token_id)
+    if train.dropout is not None:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = train.dropout
+    teacher = load_teacher(config.model, device, train.teacher_dtype) if train.distill_alpha > 0 else None
+    if train.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device)
+    if train.compile:
+        compile_blocks(model)
+    return teacher
+
+
+def _load_checkpoint_state(accelerator: Accelerator, out: Path, timeline: Timeline) -> tuple[Path, dict]:
+    """Load the newest complete checkpoint of `out` into the prepared model, optimiser and RNGs, and
+    into `timeline`; return it and its trainer state."""
+    checkpoint = _resume_checkpoint(out)
+    accelerator.load_state(str(checkpoint))
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    if "timeline" in state:
+        timeline.load_state_dict(state["timeline"], accelerator.device)
+    else:  # checkpoints of an older lnfree (fixed gaps only)
+        timeline.skip_to(state["step"])
+    return checkpoint, state
+
+
+def _eval_record(bare: nn.Module, done: int, scored: int, ceiling_now: float | None, eval_ce, scales) -> dict:
+    """The held-out CE and the massive-activation scales after `done` steps; under a scale ceiling
+    (`ceiling_now` finite) also the number of activations it clipped and the model without it."""
+    guarded = ceiling_now is not None and not math.isinf(ceiling_now)
+    with watching(bare) as ceiling_hits:
+        ce, scale_values = eval_ce().item(), scales()
+        hits = ceiling_hits() if guarded else None
+    record = {"event": "eval", "step": done, "held_out_ce": ce, "held_out_tokens": scored, **scale_values}
+    if hits:  # what the model is without its guard
+        set_ceiling(bare, math.inf)
+        record.update(held_out_ce_unguarded=eval_ce().item(), **{f"{k}_unguarded": v for k, v in scales().items()})
+        set_ceiling(bare, ceiling_now)
+    elif hits == 0:  # the ceiling never engaged: those passes computed the unguarded model (up to rounding)
+        record.update(held_out_ce_unguarded=ce, **{f"{k}_unguarded": v for k, v in scale_values.items()})
+    if guarded:
+        record["ceiling_hits"] = hits
+    return record
+
+
+def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) -> RunResult:
+    accelerator = _accelerator(config)
     set_seed(config.train.seed)
     on_cpu = accelerator.device.type == "cpu"
     steady = config.train.steady_allocator and on_cpu and steady_allocator()  # large vocabularies: lnfree.runtime
@@ -470,11 +508,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     slots = [slot for site in arch.sites() for slot in site.slots]
     config, events = resolve_run(config, arch.n_layers, arch.stages, slots)
     train = config.train
-    context = config.data.context_length or arch.n_positions
-    if context is None:
-        raise RunError("this model has no maximum context length; set data.context_length")
-    if arch.n_positions is not None and context > arch.n_positions:
-        raise RunError(f"context_length {context} exceeds the model's n_positions {arch.n_positions}")
+    context = _context_length(config, arch.n_positions)
     world = accelerator.num_processes
     micro_batch, accumulation = micro_batches(train, context, world)
     with accelerator.main_process_first():
@@ -494,21 +528,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     out = Path(config.output_dir)
 
     removing = config.removal.mode == "remove"
-    if removing:
-        surgery.install(
-            model, special_pos0=config.removal.special_pos0, special_eot=config.removal.special_eot,
-            eot_token_id=data.eot_token_id,
-        )
-    if train.dropout is not None:
-        for module in model.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = train.dropout
-    teacher = load_teacher(config.model, accelerator.device, train.teacher_dtype) if train.distill_alpha > 0 else None
-    if train.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.to(accelerator.device)
-    if train.compile:
-        compile_blocks(model)
+    teacher = _prepare_model(model, config, data.eot_token_id, accelerator.device)
     autocast, precision = _autocast_factory(config, accelerator.device)
     if accelerator.is_main_process:
         logger.info(describe_run(config, model.config, context, micro_batch, world, accelerator.device, precision != "no"))
@@ -555,14 +575,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     start_step, seconds_before = 0, 0.0
     timeline = Timeline(events, config.removal.blend_steps, config.removal.adaptive)
     if resume:
-        checkpoint = _resume_checkpoint(out)
-        accelerator.load_state(str(checkpoint))
-        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+        checkpoint, state = _load_checkpoint_state(accelerator, out, timeline)
         start_step, seconds_before = state["step"], state.get("seconds", 0.0)
-        if "timeline" in state:
-            timeline.load_state_dict(state["timeline"], accelerator.device)
-        else:  # checkpoints of an older lnfree (fixed gaps only)
-            timeline.skip_to(start_step)
         ce_start = json.loads((out / START).read_text())["held_out_ce"]
         if start_step >= train.max_steps:
             logger.info("%s finished at step %d already: nothing to resume", out, start_step)
@@ -575,13 +589,9 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         log({"event": "resume", "step": start_step, "checkpoint": str(checkpoint)})
         if amended:
             log({"event": "amend", "step": start_step, "changed": amended})
-    lnf_input = LnfInput(bare.get_submodule(arch.final_norm))
-    tail = train.scale_tail
-    norm_inputs = NormInputs(bare) if train.scale_loss_weight > 0 or tail is not None else None
-    ceiling, ceiling_now = (config.removal.scale_ceiling if removing else None), -1.0
-    eps = arch.eps
-    distill, alpha = teacher is not None, train.distill_alpha
-    pending: list[torch.Tensor] = []  # per-step (loss, ce, aux, kl, scale, tail, grad_norm), read once per log interval
+    objective = Objective(bare, train, arch, teacher, data.eot_token_id, autocast)
+    ceiling, ceiling_now = (config.removal.scale_ceiling if removing else None), None
+    pending: list[torch.Tensor] = []  # per-step (TERMS, grad_norm), read once per log interval: no host sync
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
@@ -595,42 +605,20 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             log({"event": "damp_massive_neurons", "step": step, "factor": factor})
         if ceiling is not None and (bound := ceiling.at(step, train.max_steps)) != ceiling_now:
             set_ceiling(bare, bound)
-            if ceiling_now == -1 or math.isinf(bound):
+            if ceiling_now is None or math.isinf(bound):
                 log({"event": "scale_ceiling", "step": step, "ceiling": "none" if math.isinf(bound) else bound})
             ceiling_now = bound
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = torch.zeros(6, device=accelerator.device)
-        tail_weight = tail.weight_at(step) if tail is not None else 0.0
+        totals = torch.zeros(len(TERMS), device=accelerator.device)
+        tail_weights = objective.tail_weights(step)
         for micro in range(accumulation):
-            input_ids = loader.get(step, micro)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
-                if norm_inputs is not None:
-                    norm_inputs.clear()
-                with autocast():
-                    output = model(input_ids=input_ids, labels=input_ids, use_cache=False)  # no KV cache to build
-                ce = output.loss
-                aux = auxiliary_loss(lnf_input.value, input_ids, data.eot_token_id, eps, arch.norm_kind)
-                kl = torch.zeros_like(ce)
-                if distill:
-                    with torch.no_grad(), autocast():
-                        target = teacher(input_ids=input_ids, use_cache=False).logits
-                    kl = kl_to_teacher(output.logits, target, train.distill_temperature)
-                spread, excess = torch.zeros_like(ce), torch.zeros_like(ce)
-                if norm_inputs is not None:
-                    inputs = norm_inputs.take()
-                    if train.scale_loss_weight > 0:
-                        spread = scale_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind,
-                                            train.scale_loss_form)
-                    if tail_weight > 0:
-                        excess = scale_tail_loss(inputs, input_ids, data.eot_token_id, arch.norm_kind, tail.ratio)
-                loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
-                        + tail_weight * excess)
+                loss, terms = objective(model, loader.get(step, micro), tail_weights)
                 accelerator.backward(loss / accumulation)
-            totals += torch.stack([loss.detach(), ce.detach(), aux.detach(), kl.detach(), spread.detach(),
-                                   excess.detach()]) / accumulation
+            totals += terms / accumulation
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -645,42 +633,19 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if done % train.log_every == 0 or done == train.max_steps or saving:  # before a non-finite model is saved
             _stop_if_diverged(torch.stack(pending), done, timeline, out)
         if done % train.log_every == 0 or done == train.max_steps:
-            values = torch.stack(pending).mean(0).tolist()
+            record = objective.record(torch.stack(pending).mean(0).tolist())
             pending.clear()
-            record = dict(zip(("loss", "ce", "aux", "kl", "scale", "tail", "grad_norm"), values))
-            if not distill:
-                del record["kl"]
-            if train.scale_loss_weight == 0:
-                del record["scale"]
-            if tail is None:
-                del record["tail"]
             record.update(step=done, lr=lr, tokens=done * train.tokens_per_step,
                           seconds=round(seconds_before + time.perf_counter() - started, 2))
             log(record)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
         if train.eval_every and done % train.eval_every == 0 and done != train.max_steps:
-            guarded = ceiling is not None and not math.isinf(ceiling_now)
-            with watching(bare) as ceiling_hits:
-                ce, scale_values = eval_ce().item(), scales()
-                hits = ceiling_hits() if guarded else None
-            record = {"event": "eval", "step": done, "held_out_ce": ce, "held_out_tokens": scored, **scale_values}
-            if hits:  # what the model is without its guard
-                set_ceiling(bare, math.inf)
-                record.update(held_out_ce_unguarded=eval_ce().item(),
-                              **{f"{k}_unguarded": v for k, v in scales().items()})
-                set_ceiling(bare, ceiling_now)
-            elif hits == 0:  # the ceiling never engaged: those passes computed the unguarded model (up to rounding)
-                record.update(held_out_ce_unguarded=ce, **{f"{k}_unguarded": v for k, v in scale_values.items()})
-            if guarded:
-                record["ceiling_hits"] = hits
-            log(record)
+            log(_eval_record(bare, done, scored, ceiling_now, eval_ce, scales))
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
                             {"seconds": round(seconds_before + time.perf_counter() - started, 2),
                              "timeline": timeline.state_dict()}, train.keep_checkpoints)
-    lnf_input.handle.remove()
-    if norm_inputs is not None:
-        norm_inputs.remove()
+    objective.remove()
     if damping is not None:  # the last optimiser step's momentum moved the zeroed neurons
         damping.apply(bare, train.max_steps)
     if ceiling is not None:

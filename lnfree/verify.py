@@ -22,10 +22,11 @@ from transformers import AutoModelForCausalLM
 
 from lnfree.arch import architecture
 from lnfree.export import RECORD
+from lnfree.layout import file_sha256
 from lnfree.load import LoadedModel, load
 from lnfree.models import resolve_model_source
 from lnfree.probe import (
-    compare_logits, describe_token, file_sha256, logits_fn, probe_batch, probe_logits, special_ids, text_ids,
+    compare_logits, describe_token, logits_fn, probe_batch, probe_logits, special_ids, text_ids,
 )
 
 TOLERANCE = 1e-4

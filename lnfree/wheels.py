@@ -9,7 +9,6 @@ dequantises the model once into an ordinary fp32 transformers folder beside it. 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import shutil
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lnfree.layout import file_sha256
 
 MODEL_CACHE = Path("~/.cache/lnfree/models").expanduser()
 
@@ -69,14 +70,6 @@ WHEEL_MODELS = {
 }
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _joined(name: str, model: WheelModel) -> Path:
     """The folder holding the model's GGUF file: the package's own for one part, else the joined file."""
     paths = model.part_paths()
@@ -92,7 +85,7 @@ def _joined(name: str, model: WheelModel) -> Path:
                 with path.open("rb") as part:
                     shutil.copyfileobj(part, out, 1 << 22)
         partial.rename(target)
-    if model.sha256 is not None and (found := _sha256(target)) != model.sha256:
+    if model.sha256 is not None and (found := file_sha256(target)) != model.sha256:
         target.unlink()
         raise WheelModelError(f"the joined {model.file} has sha256 {found}, expected {model.sha256}: reinstall the "
                               f"wheels ({model.install})")

@@ -1,4 +1,10 @@
-"""Run under torchrun: one lnfree run, then gather every rank's σ into a JSON file (rank 0)."""
+"""Run under torchrun: one lnfree run, then gather every rank's σ into a JSON file (rank 0).
+
+    torchrun --nproc_per_node=2 tests/dist_worker.py CONFIG.json RESULT.json [--natural-exit]
+
+--natural-exit ends the script as a user's would (no explicit teardown, no `os._exit`):
+benchmarks/gloo_exit.py counts how often that aborts.
+"""
 
 import json
 import os
@@ -25,9 +31,10 @@ if dist.get_rank() == 0:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
                    "sigmas": [g.tolist() for g in gathered], "fixed": [f.tolist() for f in flags],
                    "events": events, "held_out_ce_end": result.held_out_ce_end}, f)
-close_distributed()
-# Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate
-# called without an active exception", exit -6) after every result above had been written.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+if "--natural-exit" not in sys.argv[3:]:
+    close_distributed()
+    # Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate
+    # called without an active exception", exit -6) after every result above had been written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

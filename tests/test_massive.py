@@ -17,8 +17,8 @@ from lnfree.arch import architecture
 from lnfree.config import with_overrides
 from lnfree.export import export_run
 from lnfree.massive import (
-    NEURONS_FILE, Damping, MassiveNeurons, Neuron, find_massive_neurons, massive_scales, plant_massive_neuron,
-    scale_neurons,
+    NEURONS_FILE, Damping, MassiveNeurons, NormInputs, Neuron, find_massive_neurons, massive_scales,
+    plant_massive_neuron, scale_neurons, scale_tail_loss,
 )
 from lnfree.tiny import TINY_MODEL_DIR
 from lnfree.train import run
@@ -227,7 +227,7 @@ def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_p
 
 
 def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
-    from lnfree.massive import ScaleTail, scale_tail_loss
+    from lnfree.massive import ScaleTail
 
     ids = torch.tensor([[5, 6, 7, 0, 8]])  # position 0 and the EOT (id 0) are not typical
     x = torch.randn(1, 5, 16)
@@ -236,6 +236,8 @@ def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
     planted[0, 0] *= 1000  # position 0: its own business (a special σ), never in the tail
     planted[0, 2] *= 2.5  # below 3× the typical scale: nothing either
     assert float(scale_tail_loss([planted], ids, 0, "rms", ratio=3.0)) == 0
+    excess0 = math.log(1000) - math.log(2.5) / 3 - math.log(3)  # position 0 alone (train.position0_tail)
+    assert float(scale_tail_loss([planted], ids, 0, "rms", ratio=3.0, position0=True)) == pytest.approx(excess0**2, rel=1e-4)
     planted[0, 2] *= 4  # 10× a typical token: the geometric mean over typical tokens is 10^(1/3)
     planted.requires_grad_(True)
     loss = scale_tail_loss([planted, x], ids, 0, "rms", ratio=3.0)
@@ -257,6 +259,41 @@ def test_a_run_with_the_tail_loss_logs_it_from_its_start(run_config, tmp_path):
     losses = {r["step"]: r for r in records if "loss" in r}
     assert "scale" not in losses[8]  # the mean scale loss is off (weight 0)
     assert losses[4]["tail"] == 0 and losses[8]["tail"] > 0  # step 4 is the fourth step done: before `start`
+
+
+def test_the_position0_tail_pulls_a_planted_massive_first_token_in(run_config, tmp_path):
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight[0] *= 4  # position 0's residual stream far above every other token's (6.7×)
+    model.save_pretrained(tmp_path / "massive0")
+    AutoTokenizer.from_pretrained(TINY_MODEL_DIR).save_pretrained(tmp_path / "massive0")
+    base = with_overrides(run_config(max_steps=24, learning_rate=5e-3, eval_every=0),
+                          {"model": str(tmp_path / "massive0")})
+    plain = run(base, progress=False)
+    pulled = run(with_overrides(base, {"train.position0_tail": {"ratio": 1.5, "weight": 0.1, "start": 2},
+                                       "output_dir": str(tmp_path / "pulled")}), progress=False)
+    def losses(result) -> dict[int, dict]:
+        records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in records if "loss" in r}
+
+    assert losses(pulled)[1]["pos0"] == 0 and losses(pulled)[24]["pos0"] > 0  # step 1 done: before `start`
+    assert not any("pos0" in r for r in losses(plain).values())  # not configured: not logged
+    ids = first_token_ids(plain.model.config.vocab_size)
+
+    def position0(result) -> tuple[float, list[float]]:  # (its hinge, its RMS / the median's at each norm input)
+        inputs = NormInputs(result.model)
+        with torch.no_grad():
+            result.model(input_ids=ids)
+        xs = inputs.take()
+        inputs.remove()
+        rms = [x.pow(2).mean(-1).sqrt() for x in xs]
+        return (float(scale_tail_loss(xs, ids, 0, "layer", 1.5, position0=True)),
+                [float(r[:, 0].median() / r[:, 1:].median()) for r in rms])
+
+    (hinge_plain, ratios_plain), (hinge_pulled, ratios_pulled) = position0(plain), position0(pulled)
+    assert hinge_pulled < 0.7 * hinge_plain  # measured 3.53 against 6.51
+    # Lower at every norm input past the first (the embedding itself, which 24 steps barely move).
+    assert all(a < b for a, b in zip(ratios_pulled[1:], ratios_plain[1:]))  # e.g. 1.67 against 2.35 at ln_f
 
 
 def outlier_token_tiny(folder, scale: float = 4.0) -> tuple[Path, int]:

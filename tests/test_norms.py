@@ -30,7 +30,7 @@ def make_fixed_ln(d=16, **special):
     return ln, FixedScaleNorm(ln.weight, ln.bias, ScaleState(ln.eps, "layer", **special))
 
 
-def test_a_fixed_ln_is_the_real_ln_until_switched_then_fixed_sigma():
+def test_a_fixed_ln_is_the_real_ln_until_switched_then_fixed_sigma_and_real_again():
     torch.manual_seed(0)
     ln, fixed = make_fixed_ln()
     x = torch.randn(3, 5, 16) * 4
@@ -40,6 +40,8 @@ def test_a_fixed_ln_is_the_real_ln_until_switched_then_fixed_sigma():
     expected = fixed_sigma_ln(x, ln.weight, ln.bias, 2.5)
     torch.testing.assert_close(fixed(x), expected, rtol=0, atol=1e-6)
     assert not torch.allclose(fixed(x), ln(x), atol=1e-3)
+    fixed.state.switch_to_real()
+    assert torch.equal(fixed(x), ln(x)) and float(fixed.state.sigma) == 2.5
 
 
 def test_ema_matches_hand_computation_and_ignores_eval_passes():

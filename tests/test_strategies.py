@@ -103,9 +103,7 @@ def test_a_blending_q_k_path_beside_a_real_v_path_normalises_each_by_its_own_sca
 
 def test_export_refuses_a_norm_in_the_middle_of_its_blend(run_config):
     result = run(run_config(max_steps=12), progress=False)
-    surgery.scale_states(result.model)["ln_f"].mix.fill_(0.5)
-    surgery.scale_states(result.model)["ln_f"].fixed.fill_(False)
-    surgery.scale_states(result.model)["ln_f"]._refresh_mirrors()
+    surgery.scale_states(result.model)["ln_f"].set_fixed_fraction(0.5)
     with pytest.raises(ExportError, match="gradual removal"):
         to_eps_trick(result.model, allow_partial=True)
 

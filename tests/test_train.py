@@ -17,7 +17,7 @@ from lnfree.derived import STALE_MARKER
 from lnfree.export import load_checkpoint
 from lnfree.load import load
 from lnfree.models import ModelError
-from lnfree import train as train_module
+from lnfree import objective as objective_module
 from lnfree.train import RunError, TrainingDiverged, latest_checkpoint, micro_batches, run
 
 
@@ -54,14 +54,14 @@ def test_resume_from_mid_removal_checkpoint_is_exact(run_config, tmp_path):
 
 def test_a_diverging_run_stops_with_its_step_and_never_saves_the_non_finite_state(run_config, monkeypatch):
     calls = {"n": 0}
-    real = train_module.auxiliary_loss
+    real = objective_module.auxiliary_loss
 
     def aux_that_overflows_at_step_4(*args, **kwargs):  # one call per step (no gradient accumulation here)
         calls["n"] += 1
         value = real(*args, **kwargs)
         return value * float("inf") if calls["n"] == 4 else value
 
-    monkeypatch.setattr(train_module, "auxiliary_loss", aux_that_overflows_at_step_4)
+    monkeypatch.setattr(objective_module, "auxiliary_loss", aux_that_overflows_at_step_4)
     config = run_config(save_every=2, log_every=5, micro_batch_size=8)
     with pytest.raises(TrainingDiverged, match=r"not finite at step 4, just after removing .*latest checkpoint is step_000002"):
         run(config, progress=False)
@@ -263,7 +263,7 @@ def test_a_resumed_run_may_amend_its_future_but_never_its_past(run_config, tmp_p
 
     for change, why in (({"train.seed": 7}, "train.seed changed"),
                         ({"train.cosine_steps": None}, "the learning rate before step 5"),
-                        ({"train.scale_tail.start": 3}, "the scale tail loss before step 5"),
+                        ({"train.scale_tail.start": 3}, "the scale_tail loss before step 5"),
                         ({"removal.schedule.stages": [{**stages[0], "gap": 2}, *slower[1:]]},
                          r"the removals before step 5 \(blocks.0.ln_1qk, blocks.1.ln_2\)")):
         with pytest.raises(RunError, match=why):

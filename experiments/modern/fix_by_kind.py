@@ -78,10 +78,8 @@ def main() -> None:
         ce, norms = forward()
         growth = (norms / base).nan_to_num(nan=float("inf")).amax()
         rows.append({"fixed": name, "norms": len(chosen), "ce": ce, "max_residual_growth": float(growth)})
-        for slot in chosen:  # back to real for the next group (σ unchanged: it was frozen, not updated)
-            states[slot].fixed.fill_(False)
-            states[slot].mix.fill_(0.0)
-            states[slot]._refresh_mirrors()
+        for slot in chosen:  # back to real for the next group (σ unchanged: no statistics are gathered here)
+            states[slot].switch_to_real()
         print(rows[-1])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"model": args.model, "scored_tokens": score.numel() - len(score),

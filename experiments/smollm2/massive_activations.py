@@ -124,8 +124,7 @@ def single_fixes(model, tokenizer, measure: torch.Tensor, score: torch.Tensor) -
         growth = (norms / baseline).nan_to_num(nan=float("inf")).amax()
         rows.append({"fixed": name.replace("ln_1qk", "ln_1"), "ce": ce, "max_residual_growth": float(growth)})
         for s in group:
-            s.fixed.fill_(False)
-            s._refresh_mirrors()
+            s.switch_to_real()
         print(f"{rows[-1]['fixed']:>16}: CE {ce:.3f}, largest residual growth ×{float(growth):.3g}", flush=True)
     return rows
 

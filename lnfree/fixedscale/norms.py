@@ -256,16 +256,22 @@ class ScaleState(nn.Module):
         self.fixed.fill_(done)
         self.is_fixed, self.is_blending = done, not done
 
+    def switch_to_real(self) -> None:
+        """Divide by the real per-token scale again (σ keeps its value; its statistics resume)."""
+        self.mix.fill_(0.0)
+        self.fixed.fill_(False)
+        self.is_fixed = self.is_blending = False
+
     def disable_special(self, kind: str) -> None:
         """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
         self.fade_special(kind, 1.0)
 
     def fade_special(self, kind: str, fraction: float) -> None:
         """Turn the special σ `kind` ('pos0' or 'eot') off gradually: its tokens divide by
-        σ_special^(1 − fraction) · σ^fraction (a geometric blend; 1 turns it off). A buffer written
-        in place: no host sync, no recompile."""
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fade fraction must be in (0, 1], got {fraction}")
+        σ_special^(1 − fraction) · σ^fraction (a geometric blend; 1 turns it off, 0 restores it). A
+        buffer written in place: no host sync, no recompile."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"fade fraction must be in [0, 1], got {fraction}")
         if kind == "pos0" and self.has_pos0:
             active, fade = self.pos0_active, self.pos0_fade
         elif kind == "eot" and self.has_eot:

@@ -12,12 +12,13 @@ and checked against its sha256, so every machine reads byte-identical documents.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from lnfree.layout import file_sha256
 
 __all__ = [
     "SDIST_NAME", "SDIST_SHA256", "CorpusError", "fetch_command", "sdist_path", "load_documents",
@@ -49,14 +50,6 @@ def fetch_command(cache_dir: Path) -> list[str]:
             f"django=={DJANGO_VERSION}", "-d", str(cache_dir)]  # fmt: skip
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def sdist_path(cache_dir: Path | None = None, *, download: bool = True) -> Path:
     """The verified sdist in ``cache_dir``, downloaded with pip first if it is not there."""
     cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
@@ -71,7 +64,7 @@ def sdist_path(cache_dir: Path | None = None, *, download: bool = True) -> Path:
             )
     if not path.is_file():
         raise CorpusError(f"realtext corpus not found; run `{' '.join(fetch_command(cache_dir))}`")
-    if _sha256(path) != SDIST_SHA256:
+    if file_sha256(path) != SDIST_SHA256:
         raise CorpusError(f"{path} does not match the expected sha256; delete it and fetch it again")
     return path
 

@@ -1,0 +1,120 @@
+"""The loss a run trains on, one micro-batch at a time.
+
+    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
+
+CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
+aux pulls the per-token scale at the final norm's input towards its typical value (DESIGN.md §1);
+scale and tail do the same at every norm input (`lnfree.massive`: the spread of all tokens, and
+the hinge on the tokens above `train.scale_tail.ratio`× typical); pos0 is that hinge on position 0
+alone (`train.position0_tail`). Every weight comes from `TrainConfig`; a term whose weight is 0 is
+not computed, and one that is not configured is not logged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lnfree.config import TrainConfig
+from lnfree.distill import kl_to_teacher
+from lnfree.fixedscale.norms import second_moment
+from lnfree.massive import NormInputs, scale_loss, scale_tail_loss, typical_scale
+
+#: The loss and its terms, in the order `Objective.__call__` returns them.
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0")
+
+
+class LnfInput:
+    """Keeps the input of the final norm from the latest forward pass (a registered forward pre-hook)."""
+
+    def __init__(self, ln_f: nn.Module):
+        self.value: torch.Tensor | None = None
+        self.handle = ln_f.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module: nn.Module, args: tuple) -> None:
+        self.value = args[0]
+
+
+def auxiliary_loss(
+    resid: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int, eps: float, kind: str = "layer",
+) -> torch.Tensor:
+    """Mean squared deviation of the per-token scale at the final-norm input from its typical value.
+
+    The scale is the norm's own: std for LayerNorm (`kind="layer"`), RMS for RMSNorm.
+
+    The target is the detached mean std over tokens that are neither at position 0 nor EOT
+    (DESIGN.md §1); the loss covers every token, pulling the outliers towards the target.
+    """
+    std = torch.sqrt(second_moment(resid.float(), kind) + eps)
+    return ((std - typical_scale(std, input_ids, eot_token_id)) ** 2).mean()
+
+
+class Objective:
+    """A run's loss on `model` (the unwrapped module: its hooks see every forward of a DDP/FSDP
+    wrapper too). `remove()` takes the hooks away when training ends."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, arch, teacher: nn.Module | None, eot_token_id: int,
+                 autocast: Callable):
+        self.train, self.teacher, self.eot_token_id, self.autocast = train, teacher, eot_token_id, autocast
+        self.eps, self.norm_kind = arch.eps, arch.norm_kind
+        self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
+        wanted = train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
+        self.norm_inputs = NormInputs(model) if wanted else None
+
+    def tail_weights(self, step: int) -> tuple[float, float]:
+        """The weights at `step` of the tail losses (`train.scale_tail`, `train.position0_tail`; 0
+        before their start, or without one)."""
+        tails = (self.train.scale_tail, self.train.position0_tail)
+        return tuple(tail.weight_at(step) if tail is not None else 0.0 for tail in tails)
+
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor, tail_weights: tuple[float, float],
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
+        distributed wrapper of the module the hooks sit on)."""
+        train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
+        tail_weight, pos0_weight = tail_weights
+        if self.norm_inputs is not None:
+            self.norm_inputs.clear()
+        with self.autocast():
+            output = model(input_ids=ids, labels=ids, use_cache=False)  # no KV cache to build
+        ce = output.loss
+        aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
+        kl = torch.zeros_like(ce)
+        if self.teacher is not None:
+            with torch.no_grad(), self.autocast():
+                target = self.teacher(input_ids=ids, use_cache=False).logits
+            kl = kl_to_teacher(output.logits, target, train.distill_temperature)
+        spread, excess, excess0 = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
+        if self.norm_inputs is not None:
+            inputs = self.norm_inputs.take()
+            if train.scale_loss_weight > 0:
+                spread = scale_loss(inputs, ids, eot, kind, train.scale_loss_form)
+            if tail_weight > 0:
+                excess = scale_tail_loss(inputs, ids, eot, kind, train.scale_tail.ratio)
+            if pos0_weight > 0:
+                excess0 = scale_tail_loss(inputs, ids, eot, kind, train.position0_tail.ratio, position0=True)
+        alpha = train.distill_alpha
+        loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
+                + tail_weight * excess + pos0_weight * excess0)
+        return loss, torch.stack([t.detach() for t in (loss, ce, aux, kl, spread, excess, excess0)])
+
+    def record(self, means: list[float]) -> dict:
+        """A log record of `means` (the `TERMS` and the gradient norm), without the terms never computed."""
+        record = dict(zip((*TERMS, "grad_norm"), means))
+        if self.teacher is None:
+            del record["kl"]
+        if self.train.scale_loss_weight == 0:
+            del record["scale"]
+        if self.train.scale_tail is None:
+            del record["tail"]
+        if self.train.position0_tail is None:
+            del record["pos0"]
+        return record
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        self.lnf_input.handle.remove()
+        if self.norm_inputs is not None:
+            self.norm_inputs.remove()
