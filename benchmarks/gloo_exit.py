@@ -1,13 +1,13 @@
 """Does a two-process gloo run of `lnfree.train.run` end cleanly? Exit codes over repeated torchrun runs.
 
-A user's script under torchrun calls `run(config)` and simply ends. Before lnfree registered
-`train.close_distributed` at exit (pytorch/pytorch#179291), about one such run in ten aborted in
-interpreter teardown on a loaded CPU machine ("terminate called without an active exception",
-exit -6) after every result had been written. This runs `tests/dist_worker.py --natural-exit`
+A user's script under torchrun calls `run(config)` and simply ends. About one such run in ten aborted
+in interpreter teardown on a loaded CPU machine ("terminate called without an active exception",
+exit -6) after every result had been written; `lnfree.train.run` registers `close_distributed` at exit
+(pytorch/pytorch#179291) against it. This measures whether it still happens: it runs `tests/dist_worker.py --natural-exit`
 (the tiny preset, 2 gloo processes, no explicit teardown) `--runs` times, half of them beside a
 process that keeps one core busy, and counts exit codes and aborts.
 
-    python benchmarks/gloo_exit.py [--runs 20] [--steps 16] [--out benchmarks/results/gloo_exit.json]
+    python benchmarks/gloo_exit.py [--runs 20] [--steps 20] [--out benchmarks/results/gloo_exit.json]
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ SCHEDULE = {"stages": [{"kind": "ln_2", "start": 2, "gap": 1}, {"kind": "ln_1qk"
 BUSY = "import time\nend = time.time() + 3600\nwhile time.time() < end: sum(range(10000))"
 
 
-def one_run(config_file: Path, result_file: Path) -> tuple[int, bool]:
-    """(torchrun's exit code, whether a worker aborted in teardown)."""
+def one_run(config_file: Path, result_file: Path) -> tuple[int, bool, str]:
+    """(torchrun's exit code, whether a worker aborted in teardown, the last error line if it failed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
@@ -39,13 +39,14 @@ def one_run(config_file: Path, result_file: Path) -> tuple[int, bool]:
         env=env, capture_output=True, text=True, timeout=900,
     )
     aborted = "terminate called" in proc.stderr or "SIGABRT" in proc.stderr or "exitcode  : -6" in proc.stderr
-    return proc.returncode, aborted
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+    return proc.returncode, aborted, (errors[-1][-300:] if proc.returncode and errors else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=16, help="training steps per run (the tiny preset)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (the tiny preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gloo_exit.json")
     args = parser.parse_args()
     rows = []
@@ -62,12 +63,13 @@ def main() -> None:
             config_file.write_text(config.model_dump_json())
             busy = subprocess.Popen([sys.executable, "-c", BUSY]) if loaded else None
             try:
-                code, aborted = one_run(config_file, Path(folder) / f"result{i}.json")
+                code, aborted, error = one_run(config_file, Path(folder) / f"result{i}.json")
             finally:
                 if busy is not None:
                     busy.kill()
             written = (Path(folder) / f"result{i}.json").is_file()
-            rows.append({"run": i, "loaded": loaded, "exit_code": code, "aborted": aborted, "result_written": written})
+            rows.append({"run": i, "loaded": loaded, "exit_code": code, "aborted": aborted, "result_written": written,
+                         "error": error})
             print(rows[-1], flush=True)
     codes = collections.Counter(r["exit_code"] for r in rows)
     summary = {"runs": len(rows), "steps": args.steps, "exit_codes": {str(k): v for k, v in sorted(codes.items())},
