@@ -29,6 +29,7 @@ from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.config import DataConfig
 from lnfree.data import bos_token, prepare_data
+from lnfree.massive import NormInputs
 from lnfree.models import load_base
 
 CENSUS_SEQUENCES = 320
@@ -40,17 +41,14 @@ def site_name(site) -> str:
 
 def norm_input_scales(model, tokenizer, tokens: torch.Tensor) -> list[dict]:
     """Per norm input: position 0's and the largest other token's RMS over the median, and position 0's top channel."""
-    sites = [s for s in architecture(model).sites() if not s.per_head]
-    seen = {}
-    hooks = [model.get_submodule(s.module).register_forward_pre_hook(
-        lambda mod, args, name=site_name(s): seen.__setitem__(name, args[0].detach().float())) for s in sites]
+    sites = [s for s in architecture(model).sites() if not s.per_head]  # NormInputs' sites, in forward order
+    inputs = NormInputs(model)
     with torch.no_grad():
         model(input_ids=tokens)
-    for hook in hooks:
-        hook.remove()
+    seen = [x.float() for x in inputs.take()]
+    inputs.remove()
     rows = []
-    for site in sites:
-        x = seen[site_name(site)]
+    for site, x in zip(sites, seen, strict=True):
         rms = x.pow(2).mean(-1).sqrt()  # (batch, positions)
         median = rms[:, 1:].median()
         b, s = divmod(int(rms[:, 1:].argmax()), rms.shape[1] - 1)
