@@ -40,6 +40,8 @@ class ScaleCeiling(BaseModel):
     release_start: int | None = Field(None, ge=0, description="first step of the release (default: max_steps − "
                                       "2 × release_steps: released, then trained without it)")
     release_steps: int = Field(100, ge=1, description="steps over which the ceiling rises ×1000 before it is removed")
+    position0: bool = Field(True, description="bound position 0 too; false: never (it is in every sequence, so the "
+                            "loss always sees it, and a bound would hide its growth); needs removal.special_pos0")
 
     def release_at(self, max_steps: int) -> int:
         """The first step of the release in a run of `max_steps` steps."""
@@ -54,11 +56,14 @@ class ScaleCeiling(BaseModel):
         return self.ratio * RELEASE_RISE**done if done < 1 else math.inf
 
 
-def set_ceiling(model: nn.Module, ceiling: float) -> None:
-    """Give every scale state of `model` the ceiling `ceiling` (inf: none)."""
+def set_ceiling(model: nn.Module, ceiling: float, position0: bool | None = None) -> None:
+    """Give every scale state of `model` the ceiling `ceiling` (inf: none); `position0` False spares
+    position 0 wherever it has its own σ (None: as it was)."""
     for module in model.modules():
         if isinstance(module, ScaleState):
             module.ceiling = ceiling
+            if position0 is not None:
+                module.ceiling_spares_pos0 = not position0
 
 
 @contextlib.contextmanager

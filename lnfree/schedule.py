@@ -4,7 +4,10 @@ A schedule is a list of stages, removed in list order. Per-layer stages (`ln_2`,
 `ln_1v`, the per-head `q_norm` / `k_norm`, and the sublayer-output `post_attn` / `post_mlp`) switch one block at a time, `gap` steps apart: every
 block from block 0 up, or the blocks listed in `layers` in that order (several stages of one kind
 then split the blocks between them, each block exactly once). `ln_f` is one switch;
-`eot_special` / `pos0_special` turn off a special σ everywhere at once. A stage without `start`
+`eot_special` / `pos0_special` turn off a special σ everywhere at once; `pos0_real` (before
+`pos0_special`) makes position 0 divide by its own real scale at every input-side norm from its
+step, instead of its frozen σ, so a position-0 loss can shrink it without changing what it feeds
+(`pos0_special` then fades from that scale). A stage without `start`
 begins where the previous stage ends: previous start + (switches in it) · gap. A stage's
 `blend_steps` overrides the run's (`removal.blend_steps`) for its removals; on a special-σ stage
 it fades that σ into the general one over as many steps (otherwise it is turned off at once).
@@ -22,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp")
 Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp", "ln_f", "eot_special",
-               "pos0_special"]
+               "pos0_special", "pos0_real"]
 
 
-SPECIAL_KINDS = ("eot_special", "pos0_special")
+SPECIAL_KINDS = ("eot_special", "pos0_special", "pos0_real")
 
 
 class ScheduleError(ValueError):
@@ -69,6 +72,8 @@ class Stage(BaseModel):
                 raise ValueError(f"'layers' applies to per-layer stages ({', '.join(PER_LAYER_KINDS)}), not {self.kind}")
             if not self.layers or min(self.layers) < 0 or len(set(self.layers)) != len(self.layers):
                 raise ValueError(f"'layers' must list distinct block indices >= 0, got {self.layers}")
+        if self.kind == "pos0_real" and (self.blend_steps or 0) > 1:
+            raise ValueError("'pos0_real' switches at once; its blend_steps must be unset")
         return self
 
     def blocks(self, n_layer: int) -> list[int]:
@@ -142,6 +147,13 @@ class Schedule(BaseModel):
                 raise ScheduleError(f"special σ '{kind}' is enabled but the schedule never turns it off")
             if not enabled and kind in kinds:
                 raise ScheduleError(f"the schedule turns off '{kind}' but that special σ is not enabled")
+        if "pos0_real" in kinds:
+            real = next(e.step for e in events if e.kind == "pos0_real")
+            fade = next((e.step for e in events if e.kind == "pos0_special"), None)
+            if not special_pos0:
+                raise ScheduleError("the schedule has a 'pos0_real' stage but position 0's σ (removal.special_pos0) is off")
+            if fade is not None and fade <= real:
+                raise ScheduleError(f"'pos0_real' (step {real}) must come before 'pos0_special' (step {fade})")
         last = events[-1].step
         if last >= max_steps:
             raise ScheduleError(f"the schedule's last event is at step {last}, but the run ends after {max_steps} steps")

@@ -179,14 +179,25 @@ def apply_event(model: nn.Module, event: Event, fraction: float = 1.0) -> list[s
     `fraction` < 1 is a step of a gradual removal: the slot divides by a blend of its real
     per-token scale and its (now frozen) σ (`ScaleState.set_fixed_fraction`); for a special-σ
     event, its tokens' σ moves geometrically towards the general σ (`ScaleState.fade_special`).
+    `pos0_real` switches position 0 to its real scale at every input-side norm, at once
+    (`ScaleState.use_real_pos0`).
     """
     states = scale_states(model)
+    if event.kind == "pos0_real":
+        for slot in input_side_slots(model):
+            states[slot].use_real_pos0()
+        return [event.kind]
     if event.kind in SPECIALS:
         for state in states.values():
             state.fade_special(SPECIALS[event.kind], fraction)
         return [event.kind]
     states[event.slot].set_fixed_fraction(fraction)
     return [event.slot]
+
+
+def input_side_slots(model: nn.Module) -> list[str]:
+    """The slots whose norm feeds a sublayer or the unembedding (every one but a sublayer-output norm)."""
+    return [slot for site in architecture(model).sites() if not site.on_output for slot in site.slots]
 
 
 def removal_state(model: nn.Module) -> dict[str, dict]:
@@ -198,6 +209,8 @@ def removal_state(model: nn.Module) -> dict[str, dict]:
             entry["fixed_fraction"] = 1 - float(state.mix)
         if state.has_pos0:
             entry.update(sigma_pos0=float(state.sigma_pos0), pos0_active=state.pos0_on)
+            if state.pos0_real_on:
+                entry["pos0_real"] = True
             if state.pos0_on and float(state.pos0_fade) > 0:
                 entry["pos0_fade"] = float(state.pos0_fade)
         if state.has_eot:

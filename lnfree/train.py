@@ -48,7 +48,7 @@ from lnfree.models import load_base
 from lnfree.objective import TERMS, Objective
 from lnfree.plan import describe_run
 from lnfree.runtime import steady_allocator
-from lnfree.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
+from lnfree.schedule import PER_LAYER_KINDS, SPECIAL_KINDS, Event, ScheduleError, derive_schedule
 from lnfree.timeline import Timeline, blend_length
 
 SCALE_SEQUENCES = 8  # held-out sequences on which the massive-activation scales are logged
@@ -112,6 +112,8 @@ def resolve_run(
         raise ScheduleError(f"the scale ceiling's release (steps {ceiling.release_at(max_steps)}–"
                             f"{ceiling.release_at(max_steps) + ceiling.release_steps - 1}) must lie within the "
                             f"run's {max_steps} steps")
+    if ceiling is not None and not ceiling.position0 and not removal.special_pos0:
+        raise ScheduleError("removal.scale_ceiling.position0 = false spares position 0's own σ; set removal.special_pos0")
     events = schedule.check(n_layer, max_steps, removal.special_pos0, removal.special_eot, slots)
     if latest >= max_steps:
         raise ScheduleError(f"the last removal can end at step {latest} (adaptive max_gap and blend_steps "
@@ -291,7 +293,7 @@ def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Pat
 
 def _event_record(event: Event, model: nn.Module) -> dict:
     record = {"event": "remove", "step": event.step, "slot": event.slot}
-    if event.kind not in surgery.SPECIALS:
+    if event.kind not in SPECIAL_KINDS:
         record["sigma"] = float(surgery.scale_states(model)[event.slot].sigma)  # frozen from this step on
     return record
 
@@ -605,7 +607,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         if damping is not None and (factor := damping.apply(bare, step)) is not None:
             log({"event": "damp_massive_neurons", "step": step, "factor": factor})
         if ceiling is not None and (bound := ceiling.at(step, train.max_steps)) != ceiling_now:
-            set_ceiling(bare, bound)
+            set_ceiling(bare, bound, ceiling.position0)
             if ceiling_now is None or math.isinf(bound):
                 log({"event": "scale_ceiling", "step": step, "ceiling": "none" if math.isinf(bound) else bound})
             ceiling_now = bound

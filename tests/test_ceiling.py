@@ -87,6 +87,39 @@ def test_watching_counts_the_tokens_the_ceiling_raised_and_zero_means_the_unguar
     assert all(s.ceiling_hits is None for s in surgery.scale_states(model).values())
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_a_ceiling_can_spare_position0_which_then_computes_as_without_it(family):
+    ids = torch.randint(2, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = surgery.install(tiny_family(family), special_pos0=True)
+    surgery.initialise_sigmas(model, [ids])
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fixed()
+    surgery.scale_states(model)["ln_f"].sigma_pos0.mul_(1e-3)  # position 0 leaves the final norm 10³× too large
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        set_ceiling(model, 50.0)
+        with watching(model) as hits:
+            bounded = model(input_ids=ids).logits
+            assert hits() > 0
+        set_ceiling(model, 50.0, position0=False)
+        with watching(model) as hits:
+            spared = model(input_ids=ids).logits
+            assert hits() == 0  # nothing else reaches the ceiling
+        set_ceiling(model, 50.0)  # position0 unset: the spare stays
+        assert all(s.ceiling_spares_pos0 for s in surgery.scale_states(model).values())
+    torch.testing.assert_close(spared, plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bounded[:, 1:], plain[:, 1:], rtol=1e-4, atol=1e-4)
+    assert float((bounded[:, 0] - plain[:, 0]).abs().max()) > 10 * float(plain[:, 1:].abs().max())
+
+
+def test_sparing_position0_needs_its_own_sigma(run_config):
+    from lnfree.schedule import ScheduleError
+
+    config = with_overrides(run_config(max_steps=24), {"removal.scale_ceiling": {"position0": False, "release_steps": 4}})
+    with pytest.raises(ScheduleError, match="special_pos0"):
+        run(config, progress=False)
+
+
 def test_the_ceiling_holds_then_rises_geometrically_and_is_gone():
     ceiling = ScaleCeiling(ratio=8, release_steps=10)
     assert ceiling.release_at(100) == 80

@@ -199,6 +199,55 @@ def test_a_faded_position0_sigma_moves_geometrically_to_the_general_sigma_and_su
     torch.testing.assert_close(captured["y"], fixed_sigma_ln(captured["x"], ln_f.weight, ln_f.bias, 2.0))
 
 
+def test_position0_at_its_real_scale_is_scale_invariant_there_fades_to_sigma_and_survives_a_reload():
+    model, ln_f, captured = _fixed_ln_f_with_position0_sigma()
+    tokens = torch.randint(0, 64, (2, 7))
+    surgery.apply_event(model, Event(0, "pos0_real"))
+    assert ln_f.state.pos0_real_on and surgery.removal_state(model)["ln_f"]["pos0_real"]
+    model(input_ids=tokens)
+    x, y = captured["x"], captured["y"]
+    real = torch.nn.functional.layer_norm(x[:, 0], (x.shape[-1],), ln_f.weight, ln_f.bias, ln_f.state.eps)
+    torch.testing.assert_close(y[:, 0], real)  # the real norm at position 0, whatever its scale
+    torch.testing.assert_close(y[:, 1:], fixed_sigma_ln(x[:, 1:], ln_f.weight, ln_f.bias, 2.0))
+    # Its gradient is the real norm's too: none along position 0's own (centred) input, where a
+    # detached scale would leave a generic vector.
+    x = (torch.randn_like(x) * 10).requires_grad_()
+    out = ln_f(x)
+    (out[:, 0] * torch.randn_like(out[:, 0])).sum().backward()
+    centred = x[:, 0] - x[:, 0].mean(-1, keepdim=True)
+    cosine = torch.nn.functional.cosine_similarity(x.grad[:, 0], centred, dim=-1)
+    assert cosine.abs().max() < 1e-4 and x.grad[:, 1:].eq(0).all()
+    reloaded = small_gpt2(n_layer=1)
+    surgery.install(reloaded, special_pos0=True)
+    reloaded.load_state_dict(model.state_dict())
+    assert reloaded.transformer.ln_f.state.pos0_real_on
+    torch.testing.assert_close(reloaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    surgery.apply_event(model, Event(0, "pos0_special"), 0.5)  # half way from the real scale to σ
+    model(input_ids=tokens)
+    x, y = captured["x"], captured["y"]
+    std = (x[:, 0].var(-1, unbiased=False, keepdim=True) + ln_f.state.eps).sqrt()
+    torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, (std * 2.0).sqrt()))
+    surgery.apply_event(model, Event(0, "pos0_special"), 1.0)
+    assert not ln_f.state.pos0_real_on
+    model(input_ids=tokens)
+    torch.testing.assert_close(captured["y"], fixed_sigma_ln(captured["x"], ln_f.weight, ln_f.bias, 2.0))
+
+
+def test_position0_real_scale_reaches_the_input_side_norms_only():
+    model = tiny_family("gemma3")
+    surgery.install(model, special_pos0=True)
+    surgery.apply_event(model, Event(0, "pos0_real"))
+    real = {slot for slot, state in surgery.scale_states(model).items() if state.pos0_real_on}
+    kinds = {slot.rsplit(".", 1)[-1] for slot in real}
+    assert kinds == {"ln_1qk", "ln_1v", "ln_2", "ln_f"}  # not post_attn / post_mlp, and q/k norms have no pos0 σ
+    before = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("pos0_real")}
+    old = {k: v for k, v in model.state_dict().items() if not k.endswith("pos0_real")}  # a checkpoint from before
+    fresh = tiny_family("gemma3")
+    surgery.install(fresh, special_pos0=True)
+    fresh.load_state_dict(old)
+    assert before and not any(s.pos0_real_on for s in surgery.scale_states(fresh).values())
+
+
 def test_eot_sigma_only_on_v_path_and_only_at_eot_tokens():
     model = small_gpt2(n_layer=1)
     surgery.install(model, special_eot=True, eot_token_id=5)

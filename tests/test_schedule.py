@@ -88,6 +88,16 @@ def test_refuses_schedules_that_cannot_run():
         Schedule(stages=[Stage(kind="ln_2"), Stage(kind="ln_2")]).check(2, 100)
     with pytest.raises(ScheduleError, match="may appear once"):
         Schedule(stages=[Stage(kind="ln_2"), Stage(kind="ln_f"), Stage(kind="ln_f")]).check(2, 100)
+    lnf, real = Stage(kind="ln_f", start=3), Stage(kind="pos0_real", start=5)
+    fade = Stage(kind="pos0_special", start=6, blend_steps=3)
+    events = Schedule(stages=[lnf, real, fade]).check(2, 100, special_pos0=True)
+    assert [(e.step, e.kind) for e in events] == [(3, "ln_f"), (5, "pos0_real"), (6, "pos0_special")]
+    with pytest.raises(ScheduleError, match="special_pos0"):
+        Schedule(stages=[lnf, real]).check(2, 100)
+    with pytest.raises(ScheduleError, match="must come before 'pos0_special'"):
+        Schedule(stages=[lnf, fade, Stage(kind="pos0_real", start=7)]).check(2, 100, special_pos0=True)
+    with pytest.raises(ValueError, match="switches at once"):
+        Stage(kind="pos0_real", blend_steps=10)
 
 
 def test_stages_can_split_a_kind_over_blocks_in_any_order_with_their_own_blend():

@@ -15,16 +15,17 @@ results.json and tables.md.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import torch
 
-from lnfree import surgery
-from lnfree.arch import architecture
-from lnfree.data import bos_token, prepare_data
-from lnfree.export import load_checkpoint
-from lnfree.massive import massive_scales
+sys.path.insert(0, str(Path(__file__).parent))
+from post_mlp_runaway import held_out, write_results  # noqa: E402
+
+from lnfree import surgery  # noqa: E402
+from lnfree.arch import architecture  # noqa: E402
+from lnfree.massive import massive_scales  # noqa: E402
 
 KINDS = ("every norm", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "ln_2", "post_mlp", "ln_f")
 FRACTIONS = (0.1, 0.3, 0.5, 1.0)
@@ -48,11 +49,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/gemma3-270m/ln_free/pos0_fade"))
     parser.add_argument("--n-sequences", type=int, default=16)
     args = parser.parse_args()
-    model, tokenizer, config = load_checkpoint(args.checkpoint)
-    model.eval()
-    data = prepare_data(config.data, tokenizer, config.data.context_length, model.config.vocab_size,
-                        bos_token(model, tokenizer))
-    tokens = data.eval_batch(args.n_sequences)
+    model, _, _, tokens = held_out(args.checkpoint, args.n_sequences)
     states = {slot: s for slot, s in surgery.scale_states(model).items() if s.pos0_on}
     ratios = {slot: float(s.sigma_pos0 / s.sigma) for slot, s in states.items()}
 
@@ -81,9 +78,7 @@ def main() -> None:
     for kind in KINDS:
         chosen = [slot for slot in states if kind == "every norm" or slot.rsplit(".", 1)[-1] == kind]
         rows += [measure(kind, fraction, chosen) for fraction in FRACTIONS if chosen]
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {"checkpoint": str(args.checkpoint), "sigma_pos0_over_sigma": ratios, "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Position 0's σ faded at one kind of norm, no training ({args.checkpoint.name})", "",
              "σ_pos0 / σ by kind (min–max over blocks): " + "; ".join(
                  f"{k} {min(v):.3g}–{max(v):.3g}" for k in KINDS[1:]
@@ -92,8 +87,7 @@ def main() -> None:
              "|---|---|---|---|---|"]
     lines += [f"| {r['faded']} | {r['fraction']:g} | {r['ce']:.3f} | {r['position0_scale']:.3g} | "
               f"{r['outlier_scale']:.3g} |" for r in rows]
-    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, result, lines)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from lnfree import surgery
-from lnfree.config import DataConfig
 from lnfree.data import bos_token, prepare_data
 from lnfree.export import load_checkpoint
 
@@ -34,23 +34,39 @@ def measure(model, tokens: torch.Tensor, tokenizer) -> dict:
     rms = torch.stack(result.hidden_states).float().pow(2).mean(-1).sqrt()  # (blocks + 1, batch, positions)
     rest = rms[:, :, 1:]
     ratio = rest / rest.flatten(1).median(dim=1).values[:, None, None]
-    block, row, position = (int(i) for i in torch.unravel_index(ratio.nan_to_num(float("inf")).argmax(), ratio.shape))
+    # The earliest (block-major) overflowed token if any: NaN only follows an overflow, so it is passed over.
+    finite_or_inf = ratio.nan_to_num(nan=-math.inf, posinf=math.inf)
+    block, row, position = (int(i) for i in torch.unravel_index(finite_or_inf.argmax(), ratio.shape))
     pos0 = rms[:, :, 0] / rest.flatten(1).median(dim=1).values[:, None]
     return {"ce": float(result.loss), "max_ratio": float(ratio[block, row, position]), "at_block": block,
             "token": tokenizer.decode([int(tokens[row, position + 1])]), "position": position + 1,
             "position0_max_ratio": float(pos0.max())}
 
 
+def held_out(checkpoint: Path, n_sequences: int):
+    """(model in eval mode, tokenizer, run config, the first `n_sequences` held-out sequences) of a checkpoint."""
+    model, tokenizer, config = load_checkpoint(checkpoint)
+    model.eval()
+    data = prepare_data(config.data, tokenizer, config.data.context_length, model.config.vocab_size,
+                        bos_token(model, tokenizer))
+    return model, tokenizer, config, data.eval_batch(n_sequences)
+
+
+def write_results(out: Path, result: dict, lines: list[str]) -> None:
+    """`result` as results.json and `lines` as tables.md in `out` (created); the table is printed too."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "tables.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def write_rows(out: Path, checkpoint: Path, rows: list[dict], key: str, column: str, head: list[str]) -> None:
     """results.json and tables.md in `out`: one table row per `measure` row, labelled by `row[key]`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"checkpoint": str(checkpoint), "rows": rows}, indent=1))
     lines = [*head, f"| {column} | held-out CE | max token RMS / median (block) | token (position) | "
              "position 0 / median |", "|---|---|---|---|---|"]
     lines += [f"| {r[key]} | {r['ce']:.3f} | {r['max_ratio']:.3g} ({r['at_block']}) | {r['token']!r} "
               f"({r['position']}) | {r['position0_max_ratio']:.3g} |" for r in rows]
-    (out / "tables.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, {"checkpoint": str(checkpoint), "rows": rows}, lines)
 
 
 def main() -> None:
@@ -59,10 +75,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--n-sequences", type=int, default=8)
     args = parser.parse_args()
-    model, tokenizer, config = load_checkpoint(args.checkpoint)
-    data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences),
-                        tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
-    tokens = data.eval_batch(args.n_sequences)
+    model, tokenizer, _, tokens = held_out(args.checkpoint, args.n_sequences)
     states = surgery.scale_states(model)
     real = [slot for slot, state in states.items() if slot.endswith("post_mlp") and not state.is_fixed]
     real.sort(key=lambda slot: -int(slot.split(".")[1]))  # the run's order: top block first

@@ -19,11 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from post_mlp_runaway import measure, write_rows  # noqa: E402
-
-from lnfree.config import DataConfig  # noqa: E402
-from lnfree.data import bos_token, prepare_data  # noqa: E402
-from lnfree.export import load_checkpoint  # noqa: E402
+from post_mlp_runaway import held_out, measure, write_rows  # noqa: E402
 
 
 def main() -> None:
@@ -33,11 +29,7 @@ def main() -> None:
     parser.add_argument("--n-sequences", type=int, default=66)
     parser.add_argument("--batch", type=int, default=6)
     args = parser.parse_args()
-    model, tokenizer, _ = load_checkpoint(args.checkpoint)
-    model.eval()
-    data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences),
-                        tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
-    tokens = data.eval_batch(args.n_sequences)
+    model, tokenizer, _, tokens = held_out(args.checkpoint, args.n_sequences)
     rows = []
     with torch.no_grad():
         for first in range(0, args.n_sequences, args.batch):

@@ -189,6 +189,9 @@ class ScaleState(nn.Module):
             self.register_buffer("sigma_pos0", torch.ones(()))
             self.register_buffer("pos0_active", torch.ones((), dtype=torch.bool))
             self.register_buffer("pos0_fade", torch.zeros(()))
+            # Position 0 divides by its own real per-token scale instead of the frozen σ_pos0
+            # (`use_real_pos0`); a fade then goes from that scale to σ.
+            self.register_buffer("pos0_real", torch.zeros((), dtype=torch.bool))
         if special_eot:
             self.register_buffer("sigma_eot", torch.ones(()))
             self.register_buffer("eot_active", torch.ones((), dtype=torch.bool))
@@ -201,6 +204,7 @@ class ScaleState(nn.Module):
         # A training-time guard (lnfree.ceiling), never saved: a fixed or blending norm divides by at
         # least (real per-token scale) / ceiling, so no token leaves a fixed norm above `ceiling`× σ.
         self.ceiling = math.inf
+        self.ceiling_spares_pos0 = False  # position 0 (with its own σ) is never bounded
         self.ceiling_hits: torch.Tensor | None = None  # counted only while `lnfree.ceiling.watching`
         self._refresh_mirrors()
 
@@ -209,6 +213,7 @@ class ScaleState(nn.Module):
         self.is_fixed = bool(self.fixed)
         self.is_blending = not self.is_fixed and bool(self.mix > 0)
         self.pos0_on = self.has_pos0 and bool(self.pos0_active)
+        self.pos0_real_on = self.pos0_on and bool(self.pos0_real)
         self.eot_on = self.has_eot and bool(self.eot_active)
 
     def _apply(self, fn, recurse=True):
@@ -230,11 +235,14 @@ class ScaleState(nn.Module):
         for name in ("mix", "pos0_fade", "eot_fade"):  # checkpoints from before gradual removal
             if hasattr(self, name):
                 state_dict.setdefault(prefix + name, torch.zeros(()))
+        if self.has_pos0:  # checkpoints from before position 0's real scale
+            state_dict.setdefault(prefix + "pos0_real", torch.zeros((), dtype=torch.bool))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh_mirrors()
 
     def extra_repr(self) -> str:
-        specials = [n for n, on in (("pos0", self.pos0_on), ("eot", self.eot_on)) if on]
+        specials = [n for n, on in (("pos0 (real)" if self.pos0_real_on else "pos0", self.pos0_on),
+                                    ("eot", self.eot_on)) if on]
         state = "fixed" if self.is_fixed else "blending" if self.is_blending else "real"
         return f"{self.kind}, {state}, eps={self.eps}" + (f", special σ: {'+'.join(specials)}" if specials else "")
 
@@ -282,6 +290,15 @@ class ScaleState(nn.Module):
         active.fill_(not done)
         fade.fill_(0.0 if done else fraction)
         self._refresh_mirrors()
+
+    def use_real_pos0(self, on: bool = True) -> None:
+        """Position 0 divides by its own real per-token scale (gradient included) instead of the frozen
+        σ_pos0, as a real norm would: its output no longer depends on how large its input is, so a loss
+        can shrink position 0's scale without changing what it feeds. A later fade goes from that
+        scale to σ. No effect without a position-0 σ."""
+        if self.has_pos0:
+            self.pos0_real.fill_(on)
+            self._refresh_mirrors()
 
     @property
     def wants_context(self) -> bool:
@@ -394,17 +411,24 @@ class ScaleState(nn.Module):
         self.clear_stats()
 
     # ----- the normalisation -----
-    def token_sigma(self, shape: torch.Size) -> torch.Tensor:
-        """σ per token, shape (..., 1), honouring active special σ (a 0-d σ when none is active)."""
+    def token_sigma(self, x: torch.Tensor) -> torch.Tensor:
+        """σ per token of the norm input `x`, shape (..., 1), honouring active special σ (a 0-d σ
+        when none is active)."""
         if not self.wants_context:
             return self.sigma
+        shape = x.shape[:-1]
         pos0, eot = self.context.masks(shape)
         sigma = self.sigma.expand(shape)
         if self.eot_on:
             sigma = torch.where(eot, self._faded(self.sigma_eot, self.eot_fade), sigma)
         if self.pos0_on:
-            sigma = torch.where(pos0, self._faded(self.sigma_pos0, self.pos0_fade), sigma)
+            special = self._real_scale(x).squeeze(-1) if self.pos0_real_on else self.sigma_pos0
+            sigma = torch.where(pos0, self._faded(special, self.pos0_fade), sigma)
         return sigma.unsqueeze(-1)
+
+    def _real_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Each token's real scale (fp32, gradient included), shape (..., 1)."""
+        return torch.sqrt(second_moment(x.float(), self.kind) + self.eps).unsqueeze(-1)
 
     def _faded(self, special: torch.Tensor, fade: torch.Tensor) -> torch.Tensor:
         return special * (self.sigma / special) ** fade  # exactly `special` at fade 0
@@ -415,7 +439,7 @@ class ScaleState(nn.Module):
             return self._blended(x, weight, bias)
         if not self.is_fixed:
             return real_norm(x, self.kind, weight, bias, self.eps)
-        sigma = self.token_sigma(x.shape[:-1])
+        sigma = self.token_sigma(x)
         if self.guarded:
             sigma = self._under_ceiling(x, sigma)
         if self.kind == "rms":
@@ -427,18 +451,24 @@ class ScaleState(nn.Module):
 
     def _blended(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         h = x.float()
-        real = torch.sqrt(second_moment(h, self.kind) + self.eps).unsqueeze(-1)
-        scale = self.mix * real + (1 - self.mix) * self.token_sigma(x.shape[:-1])
+        real = self._real_scale(h)
+        scale = self.mix * real + (1 - self.mix) * self.token_sigma(h)
         if self.guarded:
-            scale = self._count_hits(scale, real / self.ceiling)
+            scale = self._count_hits(scale, self._ceiling_floor(h, real))
         out = (centre(h, self.kind) / scale).to(x.dtype) * weight
         return out if bias is None else out + bias
 
     def _under_ceiling(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """Per-token divisor max(σ, real scale / ceiling), shape (..., 1): below the ceiling the fixed
         norm exactly; above it, the real norm times the ceiling (gradient included)."""
-        real = torch.sqrt(second_moment(x.float(), self.kind) + self.eps).unsqueeze(-1)
-        return self._count_hits(sigma, real / self.ceiling)
+        return self._count_hits(sigma, self._ceiling_floor(x, self._real_scale(x)))
+
+    def _ceiling_floor(self, x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """The ceiling's least divisor per token, (..., 1): real scale / ceiling, 0 at a spared position 0."""
+        floor = real / self.ceiling
+        if self.ceiling_spares_pos0 and self.pos0_on:
+            floor = floor.masked_fill(self.context.masks(x.shape[:-1])[0].unsqueeze(-1), 0.0)
+        return floor
 
     def _count_hits(self, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         """max(scale, floor), counting the tokens where the floor wins while watched."""
