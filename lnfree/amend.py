@@ -76,10 +76,10 @@ def _ceiling(config: RunConfig, step: int) -> float | None:
     return None if ceiling is None else ceiling.at(step, config.train.max_steps)
 
 
-def _tail(config: RunConfig, name: str, step: int) -> tuple[float, float | None]:
+def _tail(config: RunConfig, name: str, step: int) -> tuple[float, float | None, str | None]:
     tail = getattr(config.train, name)
     weight = 0.0 if tail is None else tail.weight_at(step)
-    return weight, tail.ratio if weight > 0 else None
+    return weight, tail.ratio if weight > 0 else None, getattr(tail, "measure", None) if weight > 0 else None
 
 
 def without_fields(fields: dict[str, tuple[str, ...]], config: RunConfig) -> dict:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lnfree.ceiling import ScaleCeiling
-from lnfree.massive import MassiveNeurons, ScaleTail
+from lnfree.massive import MassiveNeurons, Position0Tail, ScaleTail
 from lnfree.schedule import Adaptive, Schedule
 
 
@@ -75,7 +75,7 @@ class TrainConfig(_Strict):
     scale_tail: ScaleTail | None = Field(
         None, description="a hinge on the tokens above ratio × the typical scale at every norm input (lnfree.massive)"
     )
-    position0_tail: ScaleTail | None = Field(
+    position0_tail: Position0Tail | None = Field(
         None, description="the same hinge on position 0 alone: pulls a massive first token in before its own σ "
         "(removal.special_pos0) is faded out"
     )

@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,7 +31,7 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
-from lnfree.fixedscale.norms import second_moment
+from lnfree.fixedscale.norms import SplitNorm, second_moment
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"
@@ -277,17 +278,19 @@ class NormInputs:
     def __init__(self, model: nn.Module):
         arch = architecture(model)
         self.values: list[torch.Tensor] = []
+        self.sources: list[nn.Module] = []  # the norm module of each value, until the next `clear()`
         self.handles = [model.get_submodule(site.module).register_forward_pre_hook(self._keep)
                         for site in arch.sites() if not site.per_head]
 
     def _keep(self, module: nn.Module, args: tuple) -> None:
         self.values.append(args[0])
+        self.sources.append(module)
 
     def clear(self) -> None:
-        self.values = []
+        self.values, self.sources = [], []
 
     def take(self) -> list[torch.Tensor]:
-        """The inputs seen since `clear()`, in forward order."""
+        """The inputs seen since `clear()`, in forward order (their modules stay in `sources`)."""
         values, self.values = self.values, []
         return values
 
@@ -318,6 +321,17 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     return total / max(1, len(inputs))
 
 
+def position0_log_gain(module: nn.Module) -> torch.Tensor:
+    """log(σ / position 0's divisor) at an installed norm module (a device scalar, no host sync): how much
+    larger position 0 leaves the norm than a token of the same input scale dividing by σ. Nonzero only
+    while the norm is fixed and position 0 divides by its own (possibly fading) frozen σ; a split
+    attention norm gives the larger of its two paths."""
+    states = (module.qk, module.v) if isinstance(module, SplitNorm) else (module.state,)
+    gains = [(1 - s.pos0_fade) * (s.sigma.log() - s.sigma_pos0.log()) for s in states
+             if s.is_fixed and s.pos0_on and not s.pos0_real_on]
+    return torch.stack(gains).max() if gains else torch.zeros((), device=states[0].sigma.device)
+
+
 class ScaleTail(BaseModel):
     """A hinge on the tail of every norm input's per-token scale (`train.scale_tail`): from step `start`
     on, each token (position 0 aside) above `ratio`× its norm input's typical scale is pulled back.
@@ -338,19 +352,33 @@ class ScaleTail(BaseModel):
         return self.weight if step >= self.start else 0.0
 
 
+class Position0Tail(ScaleTail):
+    """The hinge on position 0 alone (`train.position0_tail`): on its input scale at each norm, or on
+    what it leaves the norm with (`measure = "output"`: its scale over its own divisor, against the
+    typical token's over σ). Measured at the output, the hinge is idle while position 0 leaves its norms
+    no larger than `ratio`× a typical token (as its own σ, measured on it, makes it do), and pulls its
+    input in exactly as far as a fade of that σ (`pos0_special`) shrinks its divisor."""
+
+    measure: Literal["input", "output"] = Field("input", description="hinge position 0's scale at the norm "
+                                                "inputs, or what it leaves the norms with")
+
+
 def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,
-                    ratio: float, position0: bool = False) -> torch.Tensor:
+                    ratio: float, position0: bool = False, gains: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Sum over norm inputs and tokens (position 0 aside) of max(0, log(scale / typical) − log `ratio`)²,
     per sequence; typical = the geometric mean over the tokens neither at position 0 nor EOT.
-    `position0`: the same hinge on position 0 alone (`train.position0_tail`).
+    `position0`: the same hinge on position 0 alone (`train.position0_tail`), its log scale raised at
+    each input by `gains` if given (`position0_log_gain`: what it leaves the norm with).
 
     A sum, not a mean: a single token above the threshold at a few norm inputs weighs as much as the
     cross-entropy of a whole sequence; tokens below the threshold add nothing."""
     total = torch.zeros((), device=input_ids.device)
-    for x in inputs:
+    for i, x in enumerate(inputs):
         log_scale = _scale_with_grad(x, kind).log()
-        excess = (log_scale - typical_scale(log_scale, input_ids, eot_token_id) - math.log(ratio)).clamp_min(0)
-        total = total + ((excess[:, :1] if position0 else excess[:, 1:]) ** 2).sum()
+        excess = log_scale - typical_scale(log_scale, input_ids, eot_token_id) - math.log(ratio)
+        if position0:
+            excess = excess[:, :1] + (gains[i] if gains is not None else 0)
+        total = total + (excess if position0 else excess[:, 1:]).clamp_min(0).pow(2).sum()
     return total / input_ids.shape[0]
 
 

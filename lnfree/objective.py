@@ -20,7 +20,7 @@ from torch import nn
 from lnfree.config import TrainConfig
 from lnfree.distill import kl_to_teacher
 from lnfree.fixedscale.norms import second_moment
-from lnfree.massive import NormInputs, scale_loss, scale_tail_loss, typical_scale
+from lnfree.massive import NormInputs, position0_log_gain, scale_loss, scale_tail_loss, typical_scale
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0")
@@ -94,7 +94,10 @@ class Objective:
             if tail_weight > 0:
                 excess = scale_tail_loss(inputs, ids, eot, kind, train.scale_tail.ratio)
             if pos0_weight > 0:
-                excess0 = scale_tail_loss(inputs, ids, eot, kind, train.position0_tail.ratio, position0=True)
+                tail0 = train.position0_tail
+                gains = ([position0_log_gain(m) for m in self.norm_inputs.sources] if tail0.measure == "output"
+                         else None)
+                excess0 = scale_tail_loss(inputs, ids, eot, kind, tail0.ratio, position0=True, gains=gains)
         alpha = train.distill_alpha
         loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + tail_weight * excess + pos0_weight * excess0)

@@ -250,6 +250,43 @@ def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
     assert (tail.weight_at(9), tail.weight_at(10)) == (0.0, 0.5)
 
 
+def test_the_position0_hinge_on_what_it_leaves_its_norms_with():
+    from lnfree import surgery
+    from lnfree.massive import Position0Tail, position0_log_gain
+
+    model = surgery.install(tiny_family("gemma3"), special_pos0=True)
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    surgery.initialise_sigmas(model, [ids])
+    modules = [model.get_submodule(site.module) for site in architecture(model).sites() if not site.per_head]
+    ln_f = surgery.scale_states(model)["ln_f"]
+    assert float(position0_log_gain(modules[-1])) == 0  # a real norm: position 0 leaves it as it came
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fixed()
+    ln_f.sigma_pos0.copy_(ln_f.sigma * 8)  # position 0 divides by 8 σ: it leaves ln_f 8× smaller
+    assert float(position0_log_gain(modules[-1])) == pytest.approx(-math.log(8), rel=1e-5)
+    ln_f.fade_special("pos0", 0.5)
+    assert float(position0_log_gain(modules[-1])) == pytest.approx(-math.log(8) / 2, rel=1e-5)
+    ln_f.use_real_pos0()
+    assert float(position0_log_gain(modules[-1])) == 0
+    # At 8× the typical input scale, ratio 2: the input hinge sees log 4 of excess; at the output,
+    # divided by 8 σ, position 0 is below the typical token and the hinge is idle until a fade.
+    x = torch.randn(1, 5, 16)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    x[0, 0] *= 8
+    five = torch.tensor([[5, 6, 7, 8, 9]])
+    at_input = float(scale_tail_loss([x], five, 0, "rms", 2.0, position0=True))
+    assert at_input == pytest.approx(math.log(4) ** 2, rel=1e-4)
+    gain = torch.tensor(-math.log(8))
+    assert float(scale_tail_loss([x], five, 0, "rms", 2.0, position0=True, gains=[gain])) == 0
+    three_quarters = torch.tensor(-math.log(8) / 4)  # 75% of the fade: position 0 leaves it 8^(1/4)× smaller
+    expected = (math.log(4) - math.log(8) / 4) ** 2
+    assert float(scale_tail_loss([x], five, 0, "rms", 2.0, position0=True, gains=[three_quarters])) == pytest.approx(
+        expected, rel=1e-4)
+    assert Position0Tail(ratio=2.0, measure="output").measure == "output"
+    with pytest.raises(ValueError):
+        Position0Tail(ratio=2.0, measure="middle")
+
+
 def test_a_run_with_the_tail_loss_logs_it_from_its_start(run_config, tmp_path):
     config = with_overrides(run_config(max_steps=8, learning_rate=1e-3, eval_every=0),
                             {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 7}]},
@@ -294,6 +331,21 @@ def test_the_position0_tail_pulls_a_planted_massive_first_token_in(run_config, t
     assert hinge_pulled < 0.7 * hinge_plain  # measured 3.53 against 6.51
     # Lower at every norm input past the first (the embedding itself, which 24 steps barely move).
     assert all(a < b for a, b in zip(ratios_pulled[1:], ratios_plain[1:]))  # e.g. 1.67 against 2.35 at ln_f
+
+
+def test_a_run_can_hinge_what_position0_leaves_its_norms_with(run_config):
+    config = with_overrides(run_config(max_steps=8, eval_every=0), {
+        "removal.special_pos0": True,
+        "removal.schedule": {"stages": [{"kind": "ln_f", "start": 1}, {"kind": "pos0_special", "start": 4,
+                                                                       "blend_steps": 4}]},
+        "train.position0_tail": {"ratio": 1.5, "weight": 0.1, "start": 2, "measure": "output"},
+    })
+    result = run(config, progress=False)
+    records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
+    pos0 = [r["pos0"] for r in records if "loss" in r and r["step"] >= 2]
+    assert pos0 and all(math.isfinite(v) for v in pos0)
+    saved = json.loads((result.output_dir / "run_config.json").read_text())
+    assert saved["train"]["position0_tail"]["measure"] == "output"
 
 
 def outlier_token_tiny(folder, scale: float = 4.0) -> tuple[Path, int]:

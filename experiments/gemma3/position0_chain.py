@@ -4,8 +4,8 @@
 
 For each norm (forward order, per-head norms aside): position 0's scale over the median token's at
 its input, what position 0 leaves it with (its scale over the divisor it uses: its real scale, its
-own frozen σ or the general σ), and the most extreme other token (scale over the median, and its
-position). Says where position 0 runs away and whether the other tokens follow. Writes results.json
+own frozen σ or the general σ, or a fade between them) and that over what the median token leaves
+it with, and the most extreme other token (scale over the median, and its position). Says where position 0 runs away and whether the other tokens follow. Writes results.json
 and tables.md.
 """
 
@@ -26,12 +26,13 @@ from lnfree.arch import architecture  # noqa: E402
 
 
 def position0_divisor(state, x0_scale: float) -> tuple[float, str]:
-    """The divisor position 0 uses at this state (ignoring a partial fade) and its name."""
-    if state.pos0_real_on:
-        return x0_scale, "real"
-    if state.pos0_on:
-        return float(state.sigma_pos0), "σ_pos0"
-    return float(state.sigma), "σ"
+    """The divisor position 0 uses at this state, a partial fade included, and its name."""
+    if not state.pos0_on:
+        return float(state.sigma), "σ"
+    special, name = (x0_scale, "real") if state.pos0_real_on else (float(state.sigma_pos0), "σ_pos0")
+    fade = float(state.pos0_fade)
+    divisor = special * (float(state.sigma) / special) ** fade
+    return divisor, name if fade == 0 else f"{name} faded {fade:.0%}"
 
 
 def main() -> None:
@@ -52,6 +53,7 @@ def main() -> None:
             x0 = float(scale[:, 0].mean())
             divisor, kind = position0_divisor(states[slot], x0)
             rows.append({"norm": slot, "position0_over_median": x0 / median, "position0_out": x0 / divisor,
+                         "position0_out_over_typical": (x0 / divisor) / (median / float(states[slot].sigma)),
                          "position0_divisor": kind, "other_max_over_median": float(rest.flatten()[worst]) / median,
                          "other_position": worst % rest.shape[1] + 1,
                          "other_token": tokenizer.decode([int(tokens[worst // rest.shape[1], worst % rest.shape[1] + 1])])})
@@ -66,9 +68,10 @@ def main() -> None:
              f"{args.n_sequences} held-out sequences; CE {ce:.4g}. Position 0 leaves a norm with its input scale over "
              "the divisor it uses (1 at its real scale).", "",
              "| norm (its V path for ln_1) | position 0 / median | position 0 leaves with (divisor) | "
-             "most extreme other / median (token, position) |", "|---|---|---|---|"]
+             "that over the median token's | most extreme other / median (token, position) |", "|---|---|---|---|---|"]
     lines += [f"| {r['norm']} | {r['position0_over_median']:.3g} | {r['position0_out']:.3g} ({r['position0_divisor']}) | "
-              f"{r['other_max_over_median']:.3g} ({r['other_token']!r}, {r['other_position']}) |" for r in rows]
+              f"{r['position0_out_over_typical']:.3g} | {r['other_max_over_median']:.3g} ({r['other_token']!r}, "
+              f"{r['other_position']}) |" for r in rows]
     write_results(args.out, {"checkpoint": str(args.checkpoint), "ce": ce, "rows": rows}, lines)
 
 
