@@ -293,8 +293,9 @@ def schedule(
     if removal.scale_ceiling is not None:
         c = removal.scale_ceiling
         release = c.release_at(cfg.train.max_steps)
-        typer.echo(f"scale ceiling: no token leaves a fixed norm above {c.ratio:g}× its σ until step {release}; "
-                   f"released over steps {release}–{release + c.release_steps - 1}")
+        spared = "" if c.position0 else " (position 0 spared)"
+        typer.echo(f"scale ceiling: no token leaves a fixed norm above {c.ratio:g}× its σ{spared} until step "
+                   f"{release}; released over steps {release}–{release + c.release_steps - 1}")
     if removal.blend_steps > 1:
         typer.echo(f"gradual: each removal blends into its fixed σ over {removal.blend_steps} steps")
     if removal.adaptive:
