@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from lnfree.config import RunConfig
+from lnfree.config import STEP_LOSSES, RunConfig
+from lnfree.massive import tail_at
 from lnfree.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
 #: resume step on (the learning-rate curve, the tail losses' weights, the removal events, the ceiling).
-FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "scale_tail", "position0_tail"),
+FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", *STEP_LOSSES),
                  "removal": ("schedule", "scale_ceiling")}
-TAILS = ("scale_tail", "position0_tail")
 
 
 class AmendError(ValueError):
@@ -59,7 +59,7 @@ def amendment(
                         f"{stored.train.cosine_steps or stored.train.max_steps} when max_steps grows)")
     if any(_ceiling(stored, s) != _ceiling(config, s) for s in range(step)):
         problems.append(f"the scale ceiling before step {step} (set removal.scale_ceiling.release_start)")
-    for name in TAILS:
+    for name in STEP_LOSSES:
         if any(_tail(stored, name, s) != _tail(config, name, s) for s in range(step)):
             problems.append(f"the {name} loss before step {step} (set train.{name}.start)")
     if problems:
@@ -76,10 +76,10 @@ def _ceiling(config: RunConfig, step: int) -> float | None:
     return None if ceiling is None else ceiling.at(step, config.train.max_steps)
 
 
-def _tail(config: RunConfig, name: str, step: int) -> tuple[float, float | None, str | None]:
-    tail = getattr(config.train, name)
-    weight = 0.0 if tail is None else tail.weight_at(step)
-    return weight, tail.ratio if weight > 0 else None, getattr(tail, "measure", None) if weight > 0 else None
+def _tail(config: RunConfig, name: str, step: int) -> tuple[float, dict | None]:
+    """A step-dependent loss's weight at `step` and, while it is on, its other settings."""
+    tail = tail_at(getattr(config.train, name), step)
+    return (0.0, None) if tail is None else (tail.weight, tail.model_dump(exclude={"weight", "start"}))
 
 
 def without_fields(fields: dict[str, tuple[str, ...]], config: RunConfig) -> dict:

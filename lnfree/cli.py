@@ -14,7 +14,7 @@ import typer
 from lnfree.analysis.cli import analyze
 from lnfree.layout import CONTROL, RUN_CONFIG, SUMMARY
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm/RMSNorm from pretrained language models (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia) by fine-tuning.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm/RMSNorm from pretrained language models (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia, Gemma 3, OLMo 2) by fine-tuning.")
 
 PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: chosen from --model)")
 CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config, instead of a preset. (default: none)")

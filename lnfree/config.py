@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lnfree.ceiling import ScaleCeiling
-from lnfree.massive import MassiveNeurons, Position0Tail, ScaleTail
+from lnfree.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
+from lnfree.position0_mlp import Position0Mlp
 from lnfree.schedule import Adaptive, Schedule
 
 
@@ -43,6 +44,11 @@ class DataConfig(_Strict):
     cache_dir: str | None = Field(None, description="default: ~/.cache/lnfree/data")
 
 
+#: The losses whose setting is a function of the step: one setting with its `start`, or a list of
+#: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp")
+
+
 class TrainConfig(_Strict):
     """Optimisation: AdamW, linear warm-up then cosine decay to a minimum learning rate."""
 
@@ -72,12 +78,16 @@ class TrainConfig(_Strict):
     scale_loss_form: Literal["relative", "log"] = Field(
         "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
     )
-    scale_tail: ScaleTail | None = Field(
+    scale_tail: ScaleTail | list[ScaleTail] | None = Field(
         None, description="a hinge on the tokens above ratio × the typical scale at every norm input (lnfree.massive)"
     )
-    position0_tail: Position0Tail | None = Field(
+    position0_tail: Position0Tail | list[Position0Tail] | None = Field(
         None, description="the same hinge on position 0 alone: pulls a massive first token in before its own σ "
         "(removal.special_pos0) is faded out"
+    )
+    position0_mlp: Position0Mlp | list[Position0Mlp] | None = Field(
+        None, description="pull what position 0's own MLPs write towards zero, so that its σ can fade at the "
+        "MLP-input norms without its MLPs running away (lnfree.position0_mlp)"
     )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
@@ -114,6 +124,8 @@ class TrainConfig(_Strict):
     def _lr_order(self) -> TrainConfig:
         if self.min_learning_rate > self.learning_rate:
             raise ValueError("min_learning_rate must not exceed learning_rate")
+        for name in STEP_LOSSES:
+            check_pieces(getattr(self, name), name)
         return self
 
 

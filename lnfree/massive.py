@@ -347,9 +347,25 @@ class ScaleTail(BaseModel):
     weight: float = Field(1.0, ge=0, description="its weight in the loss")
     start: int = Field(0, ge=0, description="the first step it is on")
 
-    def weight_at(self, step: int) -> float:
-        """The weight at `step` (0 before `start`)."""
-        return self.weight if step >= self.start else 0.0
+
+def tail_at(tail, step: int):
+    """The piece of a step-dependent loss (`train.scale_tail`, `train.position0_tail`,
+    `train.position0_mlp`: one setting, or a list of them by `start`) that is on at `step`: the
+    latest-started one, or None while none is (or its weight is 0)."""
+    pieces = [] if tail is None else tail if isinstance(tail, list) else [tail]
+    on = [p for p in pieces if p.start <= step]
+    latest = max(on, key=lambda p: p.start, default=None)
+    return latest if latest is not None and latest.weight > 0 else None
+
+
+def check_pieces(tail, name: str):
+    """Validate a list of a step-dependent loss's settings: not empty, each with its own start."""
+    if isinstance(tail, list):
+        starts = [p.start for p in tail]
+        if not starts or len(set(starts)) != len(starts):
+            raise ValueError(f"train.{name}: a list of settings needs at least one, each with its own start, got "
+                             f"starts {starts}")
+    return tail
 
 
 class Position0Tail(ScaleTail):

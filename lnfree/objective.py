@@ -1,12 +1,14 @@
 """The loss a run trains on, one micro-batch at a time.
 
     loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
+           + w_mlp0(step)·mlp0
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (DESIGN.md §1);
 scale and tail do the same at every norm input (`lnfree.massive`: the spread of all tokens, and
 the hinge on the tokens above `train.scale_tail.ratio`× typical); pos0 is that hinge on position 0
-alone (`train.position0_tail`). Every weight comes from `TrainConfig`; a term whose weight is 0 is
+alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
+(`train.position0_mlp`, `lnfree.position0_mlp`). Every weight comes from `TrainConfig`; a term whose weight is 0 is
 not computed, and one that is not configured is not logged.
 """
 
@@ -20,10 +22,13 @@ from torch import nn
 from lnfree.config import TrainConfig
 from lnfree.distill import kl_to_teacher
 from lnfree.fixedscale.norms import second_moment
-from lnfree.massive import NormInputs, position0_log_gain, scale_loss, scale_tail_loss, typical_scale
+from lnfree.massive import NormInputs, position0_log_gain, scale_loss, scale_tail_loss, tail_at, typical_scale
+from lnfree.position0_mlp import MlpOutputs, position0_mlp_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0")
+#: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.config.STEP_LOSSES`).
+TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp"}
 
 
 class LnfInput:
@@ -62,21 +67,22 @@ class Objective:
         self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
         wanted = train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
         self.norm_inputs = NormInputs(model) if wanted else None
+        mlp0 = train.position0_mlp
+        blocks = [p.from_block for p in (mlp0 if isinstance(mlp0, list) else [mlp0])] if mlp0 is not None else []
+        self.mlp_outputs = MlpOutputs(model, min(blocks)) if blocks else None
 
-    def tail_weights(self, step: int) -> tuple[float, float]:
-        """The weights at `step` of the tail losses (`train.scale_tail`, `train.position0_tail`; 0
-        before their start, or without one)."""
-        tails = (self.train.scale_tail, self.train.position0_tail)
-        return tuple(tail.weight_at(step) if tail is not None else 0.0 for tail in tails)
+    def tails_at(self, step: int) -> tuple:
+        """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""
+        return tuple(tail_at(getattr(self.train, field), step) for field in TAILS.values())
 
-    def __call__(self, model: nn.Module, input_ids: torch.Tensor, tail_weights: tuple[float, float],
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor, tails: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
-        tail_weight, pos0_weight = tail_weights
-        if self.norm_inputs is not None:
-            self.norm_inputs.clear()
+        tail, tail0, mlp0 = tails
+        for hooks in (self.norm_inputs, self.mlp_outputs):
+            if hooks is not None:
+                hooks.clear()
         with self.autocast():
             output = model(input_ids=ids, labels=ids, use_cache=False)  # no KV cache to build
         ce = output.loss
@@ -91,17 +97,23 @@ class Objective:
             inputs = self.norm_inputs.take()
             if train.scale_loss_weight > 0:
                 spread = scale_loss(inputs, ids, eot, kind, train.scale_loss_form)
-            if tail_weight > 0:
-                excess = scale_tail_loss(inputs, ids, eot, kind, train.scale_tail.ratio)
-            if pos0_weight > 0:
-                tail0 = train.position0_tail
+            if tail is not None:
+                excess = scale_tail_loss(inputs, ids, eot, kind, tail.ratio)
+            if tail0 is not None:
                 gains = ([position0_log_gain(m) for m in self.norm_inputs.sources] if tail0.measure == "output"
                          else None)
                 excess0 = scale_tail_loss(inputs, ids, eot, kind, tail0.ratio, position0=True, gains=gains)
+        silence = torch.zeros_like(ce)
+        if self.mlp_outputs is not None:
+            outputs = self.mlp_outputs.take()
+            if mlp0 is not None:
+                first = self.mlp_outputs.first_block
+                silence = position0_mlp_loss(outputs[mlp0.from_block - first:], ids, eot)
         alpha = train.distill_alpha
+        weights = [0.0 if t is None else t.weight for t in tails]
         loss = ((1 - alpha) * ce + alpha * kl + train.aux_loss_weight * aux + train.scale_loss_weight * spread
-                + tail_weight * excess + pos0_weight * excess0)
-        return loss, torch.stack([t.detach() for t in (loss, ce, aux, kl, spread, excess, excess0)])
+                + weights[0] * excess + weights[1] * excess0 + weights[2] * silence)
+        return loss, torch.stack([t.detach() for t in (loss, ce, aux, kl, spread, excess, excess0, silence)])
 
     def record(self, means: list[float]) -> dict:
         """A log record of `means` (the `TERMS` and the gradient norm), without the terms never computed."""
@@ -110,14 +122,14 @@ class Objective:
             del record["kl"]
         if self.train.scale_loss_weight == 0:
             del record["scale"]
-        if self.train.scale_tail is None:
-            del record["tail"]
-        if self.train.position0_tail is None:
-            del record["pos0"]
+        for term, field in TAILS.items():
+            if getattr(self.train, field) is None:
+                del record[term]
         return record
 
     def remove(self) -> None:
         """Take the hooks off the model."""
         self.lnf_input.handle.remove()
-        if self.norm_inputs is not None:
-            self.norm_inputs.remove()
+        for hooks in (self.norm_inputs, self.mlp_outputs):
+            if hooks is not None:
+                hooks.remove()

@@ -615,11 +615,11 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         for group in optimizer.param_groups:
             group["lr"] = lr
         totals = torch.zeros(len(TERMS), device=accelerator.device)
-        tail_weights = objective.tail_weights(step)
+        tails = objective.tails_at(step)
         for micro in range(accumulation):
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
             with sync:
-                loss, terms = objective(model, loader.get(step, micro), tail_weights)
+                loss, terms = objective(model, loader.get(step, micro), tails)
                 accelerator.backward(loss / accumulation)
             totals += terms / accumulation
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)

@@ -18,7 +18,7 @@ from lnfree.config import with_overrides
 from lnfree.export import export_run
 from lnfree.massive import (
     NEURONS_FILE, Damping, MassiveNeurons, NormInputs, Neuron, find_massive_neurons, massive_scales,
-    plant_massive_neuron, scale_neurons, scale_tail_loss,
+    plant_massive_neuron, scale_neurons, scale_tail_loss, tail_at,
 )
 from lnfree.tiny import TINY_MODEL_DIR
 from lnfree.train import run
@@ -247,7 +247,9 @@ def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
     assert float((planted.grad[0, 2] * planted.detach()[0, 2]).sum()) > 0  # descent shrinks it
     assert planted.grad[0, [0, 1, 3, 4]].abs().max() < 1e-3 * planted.grad[0, 2].abs().max()
     tail = ScaleTail(ratio=3.0, weight=0.5, start=10)
-    assert (tail.weight_at(9), tail.weight_at(10)) == (0.0, 0.5)
+    assert (tail_at(tail, 9), tail_at(tail, 10)) == (None, tail)
+    later = [tail, ScaleTail(ratio=1.5, weight=0.0, start=30), ScaleTail(ratio=2.0, start=20)]
+    assert [tail_at(later, s) for s in (9, 19, 20, 30)] == [None, tail, later[2], None]  # the latest started
 
 
 def test_the_position0_hinge_on_what_it_leaves_its_norms_with():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,13 +29,45 @@ from lnfree.arch import architecture  # noqa: E402
 from lnfree.massive import massive_scales  # noqa: E402
 
 KINDS = ("every norm", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "ln_2", "post_mlp", "ln_f")
+OUTPUT_SIDE = ("post_attn", "post_mlp", "ln_f")
+# Groups of kinds faded together: the output side first, then one input-side kind at a time on top of it.
+GROUPS = {"output side": OUTPUT_SIDE, "output side + ln_2": (*OUTPUT_SIDE, "ln_2"),
+          "output side + ln_1qk": (*OUTPUT_SIDE, "ln_1qk"),
+          "all but ln_1v": (*OUTPUT_SIDE, "ln_2", "ln_1qk", "q_norm", "k_norm")}
 FRACTIONS = (0.1, 0.3, 0.5, 1.0)
+
+
+def fade_fraction(state) -> float:
+    """How far position 0's σ is faded at a norm now (1 once it is gone)."""
+    return float(state.pos0_fade) if bool(state.pos0_active) else 1.0
 
 
 def value_projections(model) -> list[torch.nn.Module]:
     """The projections that produce attention values (where the family has a separate V projection)."""
     return [model.get_submodule(c.path) for site in architecture(model).sites() if site.stage == "ln_1"
             for c in site.consumers if c.v_columns == "all"]
+
+
+def mlp_output_projections(model, first_block: int) -> list[torch.nn.Module]:
+    """The projections that produce each MLP's output (what its output norm reads), from `first_block` up."""
+    return [model.get_submodule(c.path) for site in architecture(model).sites()
+            if site.stage == "post_mlp" and site.layer >= first_block for c in site.consumers]
+
+
+@contextmanager
+def position0_scaled(modules: list[torch.nn.Module], factor: float):
+    """Multiply position 0 of each module's output by `factor` inside the block."""
+    def scaled(module, args, out):
+        out = out.clone()
+        out[:, 0] *= factor
+        return out
+
+    hooks = [m.register_forward_hook(scaled) for m in modules]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def held_out_ce(model, tokens: torch.Tensor) -> float:
@@ -48,9 +81,19 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/gemma3-270m/ln_free/pos0_fade"))
     parser.add_argument("--n-sequences", type=int, default=16)
+    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS,
+                        help="fade fractions to try (from a checkpoint in its fade, a lower one takes that kind back)")
+    parser.add_argument("--groups", action="store_true",
+                        help="also fade groups of kinds together (the output side, then one input-side kind)")
+    parser.add_argument("--silence-mlp-from", type=int, metavar="BLOCK",
+                        help="also fade with position 0's MLP output zeroed from this block up")
+    parser.add_argument("--values-too", type=float, nargs="*", default=(), metavar="FACTOR",
+                        help="with position 0's MLP output zeroed, also scale its attention values by these factors")
+    parser.add_argument("--only-silenced", action="store_true", help="skip the by-kind rows")
     args = parser.parse_args()
     model, _, _, tokens = held_out(args.checkpoint, args.n_sequences)
     states = {slot: s for slot, s in surgery.scale_states(model).items() if s.pos0_on}
+    start = {slot: fade_fraction(s) for slot, s in states.items()}
     ratios = {slot: float(s.sigma_pos0 / s.sigma) for slot, s in states.items()}
 
     def measure(label: str, fraction: float, chosen: list[str]) -> dict:
@@ -58,28 +101,39 @@ def main() -> None:
             states[slot].fade_special("pos0", fraction)
         row = {"faded": label, "fraction": fraction, "norms": len(chosen), "ce": held_out_ce(model, tokens),
                **massive_scales(model, tokens[:8])}
-        for slot in chosen:  # back to position 0's own σ
-            states[slot].fade_special("pos0", 0.0)
+        for slot in chosen:  # back to where the checkpoint was
+            states[slot].fade_special("pos0", start[slot])
         print(row, flush=True)
         return row
 
-    rows = [measure("nothing", 0.0, [])]
-    for factor in (0.5, 0.0):
-        def scaled(module, args, out, factor=factor):
-            out = out.clone()
-            out[:, 0] *= factor
-            return out
-
-        hooks = [proj.register_forward_hook(scaled) for proj in value_projections(model)]
-        if hooks:
-            rows.append(measure(f"nothing; position 0's values ×{factor:g} at every block", 0.0, []))
-        for hook in hooks:
-            hook.remove()
-    for kind in KINDS:
-        chosen = [slot for slot in states if kind == "every norm" or slot.rsplit(".", 1)[-1] == kind]
-        rows += [measure(kind, fraction, chosen) for fraction in FRACTIONS if chosen]
+    now = sorted(set(start.values()))
+    rows = [measure("nothing", now[0] if len(now) == 1 else float("nan"), [])]
+    values = value_projections(model)
+    for factor in (0.5, 0.0) if values else ():
+        with position0_scaled(values, factor):
+            rows.append(measure(f"nothing; position 0's values ×{factor:g} at every block", rows[0]["fraction"], []))
+    if args.silence_mlp_from is not None:
+        # Position 0's own MLP output is what runs away when ln_2's σ_pos0 fades: without it, does the fade go?
+        label = f"position 0's MLP output ×0 from block {args.silence_mlp_from}"
+        by_kind = {k: [slot for slot in states if slot.rsplit(".", 1)[-1] in kinds]
+                   for k, kinds in (("nothing", ()), ("ln_2", ("ln_2",)), ("all but ln_1v", GROUPS["all but ln_1v"]),
+                                    ("every norm", KINDS))}
+        with position0_scaled(mlp_output_projections(model, args.silence_mlp_from), 0.0):
+            for kind, chosen in by_kind.items():
+                rows.append(measure(f"{kind}; {label}", 1.0 if chosen else rows[0]["fraction"], chosen))
+            for factor in args.values_too:  # and the sink's values scaled: a sink that writes nothing?
+                with position0_scaled(values, factor):
+                    for kind in ("nothing", "every norm"):
+                        rows.append(measure(f"{kind}; {label}, its values ×{factor:g}",
+                                            1.0 if by_kind[kind] else rows[0]["fraction"], by_kind[kind]))
+    groups = {} if args.only_silenced else {kind: (kind,) for kind in KINDS} | (GROUPS if args.groups else {})
+    for label, kinds in groups.items():
+        chosen = [slot for slot in states if label == "every norm" or slot.rsplit(".", 1)[-1] in kinds]
+        rows += [measure(label, fraction, chosen) for fraction in args.fractions  # a lower one: that kind back
+                 if chosen and any(fraction != start[slot] for slot in chosen)]
     result = {"checkpoint": str(args.checkpoint), "sigma_pos0_over_sigma": ratios, "rows": rows}
-    lines = [f"# Position 0's σ faded at one kind of norm, no training ({args.checkpoint.name})", "",
+    lines = [(f"# Position 0's σ faded at one kind of norm, no training ({args.checkpoint.name}; "
+              f"faded {', '.join(f'{f:g}' for f in now)} there)"), "",
              "σ_pos0 / σ by kind (min–max over blocks): " + "; ".join(
                  f"{k} {min(v):.3g}–{max(v):.3g}" for k in KINDS[1:]
                  if (v := [r for s, r in ratios.items() if s.rsplit('.', 1)[-1] == k])), "",
