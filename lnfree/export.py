@@ -9,13 +9,17 @@ EOT included) with a safety factor `EPS_SAFETY`; GPT-2 keeps E = 10¹² (weights
 published format) wherever that is exact. The config's eps field is set to E too, because plain
 `from_pretrained` and TransformerLens read eps from the config. An attention-input norm whose Q/K
 and V paths froze different σ keeps σ_qk and folds σ_qk/σ_v into the V columns of its consumers
-(weight and bias), which is exact.
+(weight and bias), which is exact. Probe rows on which the LN-free model itself runs away (a norm
+input beyond what any fp32 eps can hold: random or special tokens far out of distribution, through
+gated MLPs) are left out of the eps choice and the check and listed in the record; real text that
+runs away is refused.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import shutil
 import uuid
@@ -39,6 +43,7 @@ EPS_TRICK_EPS = 1e12
 EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
 EPS_SAFETY = 2.0  # the largest measured m times this must stay below E·2⁻²⁴
 RECORD = "lnfree_removal.json"
+logger = logging.getLogger("lnfree")
 
 
 class ExportError(ValueError):
@@ -47,6 +52,9 @@ class ExportError(ValueError):
 
 #: The largest eps an export writes: the config's eps and mean(x²) + eps must be finite in fp32 (largest 3.4e38).
 MAX_EPS = 1e38
+#: A norm input beyond this variance (mean square) is beyond any fp32 eps-trick export (exact needs eps above
+#: 1e38): a probe row that reaches it is one the LN-free model itself runs away on.
+RUNAWAY_PEAK = 2.0 ** (math.floor(math.log2(MAX_EPS)) - 24) / EPS_SAFETY
 
 
 def choose_eps(peak: float | None) -> float:
@@ -71,28 +79,48 @@ def eps_trick_error(peak: float, eps: float) -> float:
 
 
 @torch.no_grad()
-def norm_input_peaks(model: nn.Module, batches) -> dict[str, float]:
-    """Per slot, the largest per-token variance (LayerNorm) or mean square (RMSNorm) of the norm's
-    input over `batches` of input ids, every position included (the eps-trick's worst case)."""
+def norm_input_peaks(model: nn.Module, ids: torch.Tensor, batch_size: int = 4) -> dict[str, torch.Tensor]:
+    """Per slot and row of `ids`, the largest per-token variance (LayerNorm) or mean square (RMSNorm)
+    of the norm's input, every position included (the eps-trick's worst case); fp64, on the CPU."""
     arch = architecture(model)
-    peaks: dict[str, torch.Tensor] = {}
+    peaks: dict[str, list[torch.Tensor]] = {}
     handles = []
     for slots, module in surgery.norm_input_modules(model):
         def hook(mod, args, slots=slots):
-            m = second_moment(args[0].detach().double(), arch.norm_kind)
+            m = second_moment(args[0].detach().double(), arch.norm_kind).nan_to_num(nan=math.inf)
             for slot in slots:
-                peaks[slot] = torch.maximum(peaks.get(slot, m.new_zeros(())), m.max())
+                peaks.setdefault(slot, []).append(m.reshape(m.shape[0], -1).amax(1).cpu())  # per row
         handles.append(module.register_forward_pre_hook(hook))
     was_training = model.training
     model.eval()
     try:
-        for input_ids in batches:
+        for input_ids in ids.split(batch_size):
             model(input_ids=input_ids.to(next(model.parameters()).device))
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return {slot: float(value) for slot, value in peaks.items()}
+    return {slot: torch.cat(rows) for slot, rows in peaks.items()}
+
+
+def runaway_rows(peaks: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Which rows (bool) reach a norm input no eps-trick export can hold (`RUNAWAY_PEAK`): inputs
+    on which the LN-free model itself runs away (a gated MLP's answer grows quadratically with its
+    input, so a token far out of distribution can grow block after block until fp32 overflows)."""
+    return torch.stack(list(peaks.values())).amax(0) > RUNAWAY_PEAK
+
+
+def describe_rows(ids: torch.Tensor, rows: torch.Tensor, peaks: dict[str, torch.Tensor], tokenizer=None) -> list[dict]:
+    """JSON-ready: each row of `rows` (bool) with its first tokens and its largest norm input."""
+    out = []
+    for row in rows.nonzero().flatten().tolist():
+        start = ids[row, :3].tolist()
+        entry = {"row": row, "first_tokens": start,
+                 "peak_norm_input": float(max(p[row] for p in peaks.values()))}
+        if tokenizer is not None:
+            entry["first_text"] = [tokenizer.decode([t]) for t in start]
+        out.append(entry)
+    return out
 
 
 BLENDING = "a norm is part-way through a gradual removal; export once its blend has ended"
@@ -202,7 +230,9 @@ def write_export(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
     ids = probe_batch(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
-    peaks = norm_input_peaks(model, ids.split(4))
+    rows = norm_input_peaks(model, ids)
+    ids, rows, runaway = _without_runaway_rows(ids, rows, 0 if probe is None else len(probe), tokenizer)
+    peaks = {slot: float(value.max()) for slot, value in rows.items()}
     peak = max(peaks.values())
     eps = choose_eps(peak)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +247,7 @@ def write_export(
             "eps": eps,
             "weight_scale": math.sqrt(eps),
             "eps_choice": {"peak_norm_input": peak, "safety": EPS_SAFETY, "probe_tokens": list(ids.shape),
-                           "real_text_rows": 0 if probe is None else len(probe),
+                           "real_text_rows": 0 if probe is None else len(probe), "runaway_rows": runaway,
                            "bound_relative_error": eps_trick_error(peak, eps), "peak_by_slot": peaks,
                            **_measured_record(measured, ids, tokenizer)},
             "fully_removed": surgery.is_fully_removed(model),
@@ -233,6 +263,23 @@ def write_export(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def _without_runaway_rows(ids: torch.Tensor, rows: dict[str, torch.Tensor], text_rows: int, tokenizer):
+    """The probe without the synthetic rows the model itself runs away on (those are reported, not
+    compared: no representation can match an overflow); refuses when real text runs away."""
+    runaway = runaway_rows(rows)
+    described = describe_rows(ids, runaway, rows, tokenizer)
+    if runaway[:text_rows].any() or runaway.all():
+        where = "real held-out text" if runaway[:text_rows].any() else "every probe row"
+        raise ExportError(
+            f"a norm input reaches a variance (mean square) of {max(r['peak_norm_input'] for r in described):.3g} on "
+            f"{where}: an exact eps-trick export would need eps above {MAX_EPS:g}, beyond fp32; such a model cannot "
+            "be exported in the plain format (lnfree.load and the installed model stay exact)")
+    if described:
+        logger.warning("the model runs away on %d of %d probe rows (random or special tokens; not compared): %s",
+                       len(described), len(ids), ", ".join(str(r.get("first_text", r["first_tokens"])) for r in described))
+    return ids[~runaway], {slot: value[~runaway] for slot, value in rows.items()}, described
 
 
 def _write_checked(model: nn.Module, folder: Path, ids: torch.Tensor, eps: float, allow_partial: bool):

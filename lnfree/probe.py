@@ -139,9 +139,12 @@ PROBE_SHAPE = (2, 16)
 
 
 @torch.no_grad()
-def probe_logits(model: nn.Module) -> dict[str, list]:
-    """Summary of `model`'s fp32 logits on the seeded probe batch: per-position logsumexp and next-token logits."""
+def probe_logits(model: nn.Module, bos: int | None = None) -> dict[str, list]:
+    """Summary of `model`'s fp32 logits on the seeded probe batch (`bos` first in each row, if given):
+    per-position logsumexp and next-token logits."""
     ids = sample_tokens(model.config.vocab_size, architecture(model).n_positions or 32, *PROBE_SHAPE, seed=PROBE_SEED)
+    if bos is not None:
+        ids[:, 0] = bos
     logits = model(input_ids=ids).logits.double()
     return {
         "logsumexp": logits.logsumexp(-1).tolist(),
@@ -150,8 +153,12 @@ def probe_logits(model: nn.Module) -> dict[str, list]:
 
 
 def export_fingerprint(model: nn.Module, folder: Path) -> dict:
-    """What `lnfree verify` checks an export against: sha256 of its weight files and `probe_logits`."""
+    """What `lnfree verify` checks an export against: sha256 of its weight files and `probe_logits`, with
+    BOS first where the family always reads one (a model lost without it, or LN-free and running away on
+    random tokens without it, would make the recorded logits meaningless)."""
+    bos = model.config.bos_token_id if architecture(model).prepends_bos else None
+    probe = {"seed": PROBE_SEED, "shape": list(PROBE_SHAPE), **({"bos": bos} if bos is not None else {})}
     return {
         "weights_sha256": {f.name: file_sha256(f) for f in sorted(Path(folder).glob("*.safetensors"))},
-        "probe": {"seed": PROBE_SEED, "shape": list(PROBE_SHAPE), **probe_logits(model)},
+        "probe": {**probe, **probe_logits(model, bos)},
     }

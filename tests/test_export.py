@@ -143,3 +143,39 @@ def test_the_export_raises_eps_until_its_measured_error_is_within_tolerance(tmp_
     with pytest.raises(ExportError, match="cannot be exported in the plain format"):
         write_export(model, tokenizer, tmp_path / "refused", {})
     assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused-*"))
+
+
+def test_probe_rows_the_model_itself_runs_away_on_are_left_out_and_listed(tmp_path, tokenizer):
+    """An LN-free gated model can overflow on random tokens far out of distribution (Gemma 3 270M does):
+    no representation can match that, so those probe rows are reported, not compared; real text is not
+    forgiven."""
+    from families import tiny_family
+
+    from lnfree.export import RUNAWAY_PEAK
+    from lnfree.probe import probe_batch
+    from lnfree.verify import verify
+
+    model = tiny_family("mistral", vocab_size=600, eos_token_id=0)  # an untied head: one row's logits stay finite
+    model.config.bos_token_id = 1
+    surgery.install(model)
+    surgery.initialise_sigmas(model, [torch.randint(2, 500, (4, 32), generator=torch.Generator().manual_seed(0))])
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fixed()
+    text = torch.randint(2, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = probe_batch(model.config, tokenizer, text_ids=text)
+    planted = int(ids[-1, 10])  # a token of the last (random) probe row
+    text[text == planted] = 2
+    with torch.no_grad():
+        model.model.embed_tokens.weight[planted] *= 1e18  # its residual stream far beyond any fp32 eps
+    folder = write_export(model, tokenizer, tmp_path / "export", {}, probe=text)
+    record = json.loads((folder / RECORD).read_text())
+    runaway = record["eps_choice"]["runaway_rows"]
+    rows = [r for r in range(len(ids)) if planted in ids[r].tolist()]
+    assert [r["row"] for r in runaway] == rows and all(r["peak_norm_input"] > RUNAWAY_PEAK for r in runaway)
+    assert record["eps_choice"]["probe_tokens"][0] == len(ids) - len(rows)
+    assert record["eps_choice"]["worst_relative_error"] <= 1e-4
+    report = verify(folder, bridge=False)
+    assert report["ok"], report["checks"]
+    text[0, 5] = planted
+    with pytest.raises(ExportError, match="on real held-out text"):
+        write_export(model, tokenizer, tmp_path / "refused", {}, probe=text)
