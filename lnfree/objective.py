@@ -8,8 +8,9 @@ aux pulls the per-token scale at the final norm's input towards its typical valu
 scale and tail do the same at every norm input (`lnfree.massive`: the spread of all tokens, and
 the hinge on the tokens above `train.scale_tail.ratio`× typical); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
-(`train.position0_mlp`, `lnfree.position0_mlp`). Every weight comes from `TrainConfig`; a term whose weight is 0 is
-not computed, and one that is not configured is not logged.
+(`train.position0_mlp`, `lnfree.position0_mlp`). Every weight comes from `TrainConfig` (the
+step-dependent ones from the setting on at that step, `lnfree.massive.tail_at`); a term whose
+weight is 0 is not computed, and one that is not configured is not logged.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What fading position 0's own σ does to an all-norms-fixed checkpoint, by kind of norm, without training.
 
-    python experiments/gemma3/pos0_fade.py CHECKPOINT [--out experiments/results/gemma3-270m/ln_free/pos0_fade]
+    python experiments/gemma3/pos0_fade.py CHECKPOINT [--out DIR] [--fractions 0.75 1] [--groups]
+        [--silence-mlp-from 1 [--values-too 0 0.5] [--only-silenced]]
 
 Position 0 (BOS, the attention sink) keeps its own σ at every norm until the `pos0_special` stage
 fades it geometrically into the general σ. From the checkpoint, each row fades it at one kind of
@@ -8,8 +9,11 @@ norm only (or at all of them) to `fraction` and measures the held-out CE and the
 token scales at the norm inputs (`lnfree.massive.massive_scales`), with no scale ceiling. It says
 which kind's fade lets the tokens run away, and how far into the fade. Two more rows scale
 position 0's attention values (the sink's value vectors, at every block; families with a separate
-V projection) by 0.5 and 0, every σ as it is: how much the other tokens read from the sink. Writes
-results.json and tables.md.
+V projection) by 0.5 and 0, every σ as it is: how much the other tokens read from the sink. A
+checkpoint already in its fade starts where it is (a lower fraction takes a kind back); `--groups`
+also fades the output side and then one input-side kind with it; `--silence-mlp-from B` repeats the
+fade with position 0's MLP output zeroed from block B up (what `train.position0_mlp` trains towards),
+`--values-too` with its attention values scaled as well. Writes results.json and tables.md.
 """
 
 from __future__ import annotations
