@@ -360,8 +360,8 @@ def export(
 def verify(
     source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any supported model's folder / Hub id.")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the report as JSON to this file. (default: none)")] = None,
-    tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| accepted (fp32; a token within the export's "
-                                                  "relative tolerance also passes).")] = 1e-4,
+    tolerance: Annotated[float, typer.Option(help="Largest |Δlogit| / max(1, |logit|) accepted (fp32 rounds "
+                                                  "relative to a logit's size).")] = 1e-4,
     seed: Annotated[int, typer.Option(help="Seed of the probe's random tokens.")] = 0,
 ) -> None:
     """Compare every representation of a checkpoint with lnfree's exact form; exit 1 beyond tolerance."""

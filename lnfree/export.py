@@ -115,8 +115,8 @@ def describe_rows(ids: torch.Tensor, rows: torch.Tensor, peaks: dict[str, torch.
     out = []
     for row in rows.nonzero().flatten().tolist():
         start = ids[row, :3].tolist()
-        entry = {"row": row, "first_tokens": start,
-                 "peak_norm_input": float(max(p[row] for p in peaks.values()))}
+        peak = float(max(p[row] for p in peaks.values()))
+        entry = {"row": row, "first_tokens": start, "peak_norm_input": peak if math.isfinite(peak) else "overflow"}
         if tokenizer is not None:
             entry["first_text"] = [tokenizer.decode([t]) for t in start]
         out.append(entry)
@@ -231,7 +231,7 @@ def write_export(
         raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
     ids = probe_batch(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
     rows = norm_input_peaks(model, ids)
-    ids, rows, runaway = _without_runaway_rows(ids, rows, 0 if probe is None else len(probe), tokenizer)
+    ids, rows, runaway, kept = _without_runaway_rows(ids, rows, 0 if probe is None else len(probe), tokenizer)
     peaks = {slot: float(value.max()) for slot, value in rows.items()}
     peak = max(peaks.values())
     eps = choose_eps(peak)
@@ -249,7 +249,7 @@ def write_export(
             "eps_choice": {"peak_norm_input": peak, "safety": EPS_SAFETY, "probe_tokens": list(ids.shape),
                            "real_text_rows": 0 if probe is None else len(probe), "runaway_rows": runaway,
                            "bound_relative_error": eps_trick_error(peak, eps), "peak_by_slot": peaks,
-                           **_measured_record(measured, ids, tokenizer)},
+                           **_measured_record(measured, ids, tokenizer, kept)},
             "fully_removed": surgery.is_fully_removed(model),
             "norms": surgery.removal_state(model),
             **record,
@@ -273,13 +273,13 @@ def _without_runaway_rows(ids: torch.Tensor, rows: dict[str, torch.Tensor], text
     if runaway[:text_rows].any() or runaway.all():
         where = "real held-out text" if runaway[:text_rows].any() else "every probe row"
         raise ExportError(
-            f"a norm input reaches a variance (mean square) of {max(r['peak_norm_input'] for r in described):.3g} on "
-            f"{where}: an exact eps-trick export would need eps above {MAX_EPS:g}, beyond fp32; such a model cannot "
-            "be exported in the plain format (lnfree.load and the installed model stay exact)")
+            f"a norm input reaches a variance (mean square) above {RUNAWAY_PEAK:.3g} on {where}: an exact eps-trick "
+            f"export would need eps above {MAX_EPS:g}, beyond fp32; such a model cannot be exported in the plain "
+            "format (lnfree.load and the installed model stay exact)")
     if described:
         logger.warning("the model runs away on %d of %d probe rows (random or special tokens; not compared): %s",
                        len(described), len(ids), ", ".join(str(r.get("first_text", r["first_tokens"])) for r in described))
-    return ids[~runaway], {slot: value[~runaway] for slot, value in rows.items()}, described
+    return ids[~runaway], {slot: value[~runaway] for slot, value in rows.items()}, described, (~runaway).nonzero()[:, 0]
 
 
 def _write_checked(model: nn.Module, folder: Path, ids: torch.Tensor, eps: float, allow_partial: bool):
@@ -309,13 +309,14 @@ def _write_checked(model: nn.Module, folder: Path, ids: torch.Tensor, eps: float
         model.train(was_training)
 
 
-def _measured_record(measured: dict | None, ids: torch.Tensor, tokenizer) -> dict:
+def _measured_record(measured: dict | None, ids: torch.Tensor, tokenizer, kept: torch.Tensor) -> dict:
     if measured is None:
         return {"worst_relative_error": None,
                 "measured": "not measured: a partial export is exact only through lnfree.load"}
     return {"worst_relative_error": measured["worst_token_relative_error"],
             "max_abs_diff": measured["max_abs_diff"], "tolerance": RELATIVE_TOLERANCE,
-            "worst_token": describe_token(ids, measured["worst_token"], tokenizer),
+            "worst_token": {**(worst := describe_token(ids, measured["worst_token"], tokenizer)),
+                            "row": int(kept[worst["row"]])},  # a row of the whole probe, as in runaway_rows
             "measured": "plain transformers from_pretrained of the export against the installed model, on the probe"}
 
 

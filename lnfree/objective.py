@@ -6,7 +6,7 @@
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (DESIGN.md §1);
 scale and tail do the same at every norm input (`lnfree.massive`: the spread of all tokens, and
-the hinge on the tokens above `train.scale_tail.ratio`× typical); pos0 is that hinge on position 0
+the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
 (`train.position0_mlp`, `lnfree.position0_mlp`). Every weight comes from `TrainConfig` (the
 step-dependent ones from the setting on at that step, `lnfree.massive.tail_at`); a term whose
@@ -70,7 +70,7 @@ class Objective:
         self.norm_inputs = NormInputs(model) if wanted else None
         mlp0 = train.position0_mlp
         blocks = [p.from_block for p in (mlp0 if isinstance(mlp0, list) else [mlp0])] if mlp0 is not None else []
-        self.mlp_outputs = MlpOutputs(model, min(blocks)) if blocks else None
+        self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
 
     def tails_at(self, step: int) -> tuple:
         """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""

@@ -36,15 +36,16 @@ class Position0Mlp(BaseModel):
 
 
 class MlpOutputs:
-    """Keeps each MLP's output (blocks from `from_block` up) of the latest forward pass: forward hooks
-    on the MLP output projections. `clear()` before a forward, `take()` after it."""
+    """Keeps each MLP's output (blocks from the lowest of `from_blocks` up, each checked against the
+    model's depth) of the latest forward pass: forward hooks on the MLP output projections. `clear()`
+    before a forward, `take()` after it."""
 
-    def __init__(self, model: nn.Module, from_block: int):
+    def __init__(self, model: nn.Module, from_blocks: list[int]):
         arch = architecture(model)
-        if from_block >= arch.n_layers:
-            raise ValueError(f"position0_mlp.from_block is {from_block}, but the model has {arch.n_layers} blocks")
+        if max(from_blocks) >= arch.n_layers:
+            raise ValueError(f"position0_mlp.from_block is {max(from_blocks)}, but the model has {arch.n_layers} blocks")
         self.values: list[torch.Tensor] = []
-        self.first_block = from_block
+        self.first_block = from_block = min(from_blocks)
         self.handles = [model.get_submodule(arch.block(i, arch.mlp_out)).register_forward_hook(self._keep)
                         for i in range(from_block, arch.n_layers)]
 
@@ -68,6 +69,8 @@ def position0_mlp_loss(outputs: list[torch.Tensor], input_ids: torch.Tensor, eot
     """Σ over `outputs` of the mean over sequences of (position 0's RMS / the typical token's RMS)²."""
     total = torch.zeros((), device=input_ids.device)
     for y in outputs:
-        scale = torch.sqrt(y.float().pow(2).mean(-1) + 1e-12)
-        total = total + (scale[:, 0] / typical_scale(scale, input_ids, eot_token_id)).pow(2).mean()
+        with torch.no_grad():  # the typical scale is a detached target: keep no fp32 copy of y for backward
+            typical = typical_scale(torch.sqrt(y.float().pow(2).mean(-1) + 1e-12), input_ids, eot_token_id)
+        position0 = torch.sqrt(y[:, 0].float().pow(2).mean(-1) + 1e-12)
+        total = total + (position0 / typical).pow(2).mean()
     return total

@@ -10,6 +10,8 @@ it and `verify` compares every representation on it.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import torch
@@ -90,6 +92,7 @@ def probe_batch(config, tokenizer=None, *, text_ids: torch.Tensor | None = None,
 def worst_token_relative_error(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, int, int]:
     """The largest per-token ‖logits − reference‖ / ‖reference‖, and its (row, position)."""
     error = (logits.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)
+    error = error.nan_to_num(nan=math.inf)  # a non-finite logit on either side is the worst there is
     worst = int(error.argmax())
     return float(error.flatten()[worst]), worst // error.shape[-1], worst % error.shape[-1]
 
@@ -102,13 +105,18 @@ def logits_fn(model: torch.nn.Module):
 @torch.no_grad()
 def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> dict:
     """`model` against `reference` (modules, or callables ids → logits) on `ids`, `batch_size` rows at
-    a time: the largest |Δlogit| and the worst token's relative error and (row, position)."""
+    a time: the largest |Δlogit|, the largest |Δlogit| / max(1, |logit|) (fp32 rounds relative to a
+    logit's size), and the worst token's relative error and (row, position). A non-finite logit on
+    either side counts as an infinite difference."""
     model, reference = (logits_fn(m) if isinstance(m, torch.nn.Module) else m for m in (model, reference))
-    worst = {"max_abs_diff": 0.0, "worst_token_relative_error": -1.0, "worst_token": None}
+    worst = {"max_abs_diff": 0.0, "max_scaled_diff": 0.0, "worst_token_relative_error": -1.0, "worst_token": None}
     for start in range(0, len(ids), batch_size):
         batch = ids[start: start + batch_size]
         logits, expected = model(batch), reference(batch)
-        worst["max_abs_diff"] = max(worst["max_abs_diff"], (logits.double() - expected.double()).abs().max().item())
+        diff = (logits.double() - expected.double()).abs().nan_to_num(nan=math.inf)
+        scaled = diff / expected.double().abs().clamp_min(1).nan_to_num(nan=1.0)
+        worst["max_abs_diff"] = max(worst["max_abs_diff"], diff.max().item())
+        worst["max_scaled_diff"] = max(worst["max_scaled_diff"], scaled.max().item())
         error, row, position = worst_token_relative_error(logits, expected)
         if error > worst["worst_token_relative_error"]:
             worst.update(worst_token_relative_error=error, worst_token=(start + row, position))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -63,6 +64,9 @@ def test_export_load_fold_and_bridge_reproduce_the_ln_free_model(family, tokeniz
     with torch.no_grad():
         reference = model(input_ids=x).logits
     folder = write_export(model, tokenizer, tmp_path / "export", {"note": "test"})
+    fingerprint = json.loads((folder / "lnfree_removal.json").read_text())["fingerprint"]["probe"]
+    # BOS first in the fingerprint's probe for the families that always read one (Gemma 3), none else
+    assert fingerprint.get("bos") == (model.config.bos_token_id if architecture(model).prepends_bos else None)
 
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()  # a user who never heard of lnfree
     with torch.no_grad():

@@ -28,21 +28,21 @@ def test_the_loss_is_position0s_mlp_output_over_the_typical_tokens_squared():
 
 def test_it_hooks_the_mlp_outputs_from_its_first_block():
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
-    outputs = MlpOutputs(model, from_block=1)
+    outputs = MlpOutputs(model, [2, 1])  # a list of settings: from the lowest block
     with torch.no_grad():
         model(input_ids=torch.arange(8)[None])
     taken = outputs.take()
     assert len(taken) == model.config.n_layer - 1 and taken[0].shape == (1, 8, model.config.n_embd)
     outputs.remove()
     with pytest.raises(ValueError, match="from_block is 9"):
-        MlpOutputs(model, from_block=9)
+        MlpOutputs(model, [1, 9])
     with pytest.raises(ValueError):
         Position0Mlp(weight=-1)
 
 
 def position0_mlp_ratio(model, ids: torch.Tensor) -> float:
     """The mean over blocks from 1 of position 0's MLP-output RMS over the median token's."""
-    outputs = MlpOutputs(model, from_block=1)
+    outputs = MlpOutputs(model, [1])
     with torch.no_grad():
         model(input_ids=ids)
     rms = [y.pow(2).mean(-1).sqrt() for y in outputs.take()]

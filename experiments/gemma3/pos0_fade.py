@@ -113,6 +113,8 @@ def main() -> None:
     now = sorted(set(start.values()))
     rows = [measure("nothing", now[0] if len(now) == 1 else float("nan"), [])]
     values = value_projections(model)
+    if args.values_too and not values:
+        raise SystemExit("--values-too: this family has no separate V projection to scale")
     for factor in (0.5, 0.0) if values else ():
         with position0_scaled(values, factor):
             rows.append(measure(f"nothing; position 0's values ×{factor:g} at every block", rows[0]["fraction"], []))
@@ -122,7 +124,10 @@ def main() -> None:
         by_kind = {k: [slot for slot in states if slot.rsplit(".", 1)[-1] in kinds]
                    for k, kinds in (("nothing", ()), ("ln_2", ("ln_2",)), ("all but ln_1v", GROUPS["all but ln_1v"]),
                                     ("every norm", KINDS))}
-        with position0_scaled(mlp_output_projections(model, args.silence_mlp_from), 0.0):
+        mlps = mlp_output_projections(model, args.silence_mlp_from)
+        if not mlps:
+            raise SystemExit(f"--silence-mlp-from {args.silence_mlp_from}: no MLP-output norm from that block up")
+        with position0_scaled(mlps, 0.0):
             for kind, chosen in by_kind.items():
                 rows.append(measure(f"{kind}; {label}", 1.0 if chosen else rows[0]["fraction"], chosen))
             for factor in args.values_too:  # and the sink's values scaled: a sink that writes nothing?
