@@ -113,8 +113,10 @@ def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> 
     for start in range(0, len(ids), batch_size):
         batch = ids[start: start + batch_size]
         logits, expected = model(batch), reference(batch)
-        diff = (logits.double() - expected.double()).abs().nan_to_num(nan=math.inf)
-        scaled = diff / expected.double().abs().clamp_min(1).nan_to_num(nan=1.0)
+        got, want = logits.double(), expected.double()
+        finite = got.isfinite() & want.isfinite()
+        diff = torch.where(finite, (got - want).abs(), torch.where(got == want, 0.0, math.inf))
+        scaled = torch.where(finite, diff / want.abs().clamp_min(1), diff)
         worst["max_abs_diff"] = max(worst["max_abs_diff"], diff.max().item())
         worst["max_scaled_diff"] = max(worst["max_scaled_diff"], scaled.max().item())
         error, row, position = worst_token_relative_error(logits, expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -182,3 +183,17 @@ def test_probe_rows_the_model_itself_runs_away_on_are_left_out_and_listed(tmp_pa
     text[0, 5] = planted
     with pytest.raises(ExportError, match="on real held-out text"):
         write_export(model, tokenizer, tmp_path / "refused", {}, probe=text)
+
+
+def test_comparing_logits_counts_a_non_finite_logit_as_an_infinite_difference():
+    from lnfree.probe import compare_logits
+    from lnfree.verify import within
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    const = lambda value: (lambda x: torch.full((2, 3, 5), value))  # noqa: E731
+    assert within(compare_logits(const(1.0), const(1.0), ids), 1e-4)
+    for got, want in ((float("nan"), 1.0), (1.0, float("inf")), (float("nan"), float("nan"))):
+        measured = compare_logits(const(got), const(want), ids)
+        assert measured["max_abs_diff"] == measured["max_scaled_diff"] == math.inf and not within(measured, 1e-4)
+    large = compare_logits(const(100.005), const(100.0), ids)  # fp32 rounds relative to a logit's size
+    assert large["max_abs_diff"] > 1e-4 and within(large, 1e-4) and not within(large, 1e-5)
