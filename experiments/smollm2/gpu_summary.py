@@ -1,0 +1,94 @@
+"""Tables of the SmolLM2-135M removals run on a lent H100 (experiments/smollm2/gpu_device.sh).
+
+    python experiments/smollm2/gpu_summary.py [--results experiments/results/smollm2-135m/gpu]
+
+Each run folder under --results holds what came back from the GPU machine (the weights cannot): the
+run's log.jsonl, run_config.json and start.json (and summary.json where the run reached its end
+cleanly). Writes tables.md there: per run, the first evaluation at which the model without its scale
+ceiling is no longer finite, which ln_2 were fixed by then, and the evaluation curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def read_log(folder: Path) -> list[dict]:
+    """The run's log.jsonl rows."""
+    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def fixed_by(rows: list[dict], step: int) -> list[str]:
+    """The slots switched to a fixed σ at or before `step`."""
+    return [r["slot"] for r in rows if r.get("event") == "remove" and r["step"] <= step]
+
+
+def blocks(slots: list[str], kind: str) -> str:
+    """'29–11' style summary of the blocks whose `kind` norm is among `slots`, in the order fixed."""
+    found = [int(s.split(".")[1]) for s in slots if s.endswith(f".{kind}")]
+    return f"{found[0]}–{found[-1]} ({len(found)})" if found else "none"
+
+
+def run_summary(folder: Path) -> tuple[dict, list[str]]:
+    """One run's headline numbers and its evaluation table."""
+    rows = read_log(folder)
+    config = json.loads((folder / "run_config.json").read_text())
+    evals = [r for r in rows if r.get("event") == "eval"]
+    train = [r for r in rows if r.get("event") is None]
+    broken = next((r for r in evals if not math.isfinite(r["held_out_ce_unguarded"])), None)
+    last_finite = max((r["step"] for r in evals if math.isfinite(r["held_out_ce_unguarded"])), default=None)
+    seconds = max((r["seconds"] for r in train if "seconds" in r), default=None)  # cumulative training time
+    head = {
+        "run": folder.name, "description": config.get("description", ""),
+        "steps": max(r["step"] for r in rows), "tokens_per_step": config["train"]["tokens_per_step"],
+        "seconds_per_step": seconds / max(r["step"] for r in train) if seconds else None,
+        "last_finite_eval": last_finite,
+        "ln_2_fixed_at_last_finite": blocks(fixed_by(rows, last_finite or -1), "ln_2"),
+        "first_non_finite_eval": broken["step"] if broken else None,
+        "ln_2_fixed_when_broken": blocks(fixed_by(rows, broken["step"]), "ln_2") if broken else None,
+        "final_ce_guarded": evals[-1]["held_out_ce"] if evals else None,
+        "max_tail_loss": max(r.get("tail", 0.0) for r in train) if train else None,
+    }
+    lines = [f"### {folder.name}", "", head["description"], "",
+             "| step | held-out CE (ceiling) | without ceiling | outlier scale | position 0 scale | ceiling hits |",
+             "|---|---|---|---|---|---|"]
+    for r in evals:
+        lines.append(f"| {r['step']} | {r['held_out_ce']:.3f} | {r['held_out_ce_unguarded']:.3f} | "
+                     f"{r['outlier_scale']:.3g} | {r['position0_scale']:.3g} | {r['ceiling_hits']:,} |")
+    return head, lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("experiments/results/smollm2-135m/gpu"))
+    args = parser.parse_args()
+    runs = sorted(p for p in args.results.iterdir() if (p / "log.jsonl").is_file())
+    if not runs:
+        raise SystemExit(f"no run folders with a log.jsonl under {args.results}")
+    heads, details = [], []
+    for folder in runs:
+        head, lines = run_summary(folder)
+        heads.append(head)
+        details += lines
+    out = ["# SmolLM2-135M removals on one H100", "",
+           "Written by `experiments/smollm2/gpu_summary.py` from the run logs that came back from the GPU "
+           "machine (`experiments/smollm2/gpu_device.sh`). Held-out CE on 66 × 64 tokens (4,158 scored); the "
+           "original model scores 3.654. 'Without ceiling' is the same model with the scale ceiling off: NaN "
+           "once one held-out token overflows.", "",
+           "| run | steps × tokens | s/step (2–3 runs sharing the GPU) | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
+           "|---|---|---|---|---|---|"]
+    for h in heads:
+        nan = f"{h['first_non_finite_eval']} ({h['ln_2_fixed_when_broken']})" if h["first_non_finite_eval"] else "never"
+        per_step = f"{h['seconds_per_step']:.2f}" if h["seconds_per_step"] else "—"
+        out.append(f"| {h['run']} | {h['steps']} × {h['tokens_per_step']:,} | {per_step} | {h['last_finite_eval']} "
+                   f"({h['ln_2_fixed_at_last_finite']}) | {nan} | {h['final_ce_guarded']:.3f} |")
+    (args.results / "tables.md").write_text("\n".join(out + ["", *details]))
+    (args.results / "summary.json").write_text(json.dumps(heads, indent=1))
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
