@@ -348,12 +348,16 @@ class ScaleTail(BaseModel):
     start: int = Field(0, ge=0, description="the first step it is on")
 
 
+def pieces(tail) -> list:
+    """A step-dependent loss's settings as a list: none, one, or the list it already is."""
+    return [] if tail is None else tail if isinstance(tail, list) else [tail]
+
+
 def tail_at(tail, step: int):
     """The piece of a step-dependent loss (`train.scale_tail`, `train.position0_tail`,
     `train.position0_mlp`: one setting, or a list of them by `start`) that is on at `step`: the
     latest-started one, or None while none is (or its weight is 0)."""
-    pieces = [] if tail is None else tail if isinstance(tail, list) else [tail]
-    on = [p for p in pieces if p.start <= step]
+    on = [p for p in pieces(tail) if p.start <= step]
     latest = max(on, key=lambda p: p.start, default=None)
     return latest if latest is not None and latest.weight > 0 else None
 

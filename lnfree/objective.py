@@ -15,7 +15,7 @@ weight is 0 is not computed, and one that is not configured is not logged.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,7 +23,15 @@ from torch import nn
 from lnfree.config import TrainConfig
 from lnfree.distill import kl_to_teacher
 from lnfree.fixedscale.norms import second_moment
-from lnfree.massive import NormInputs, position0_log_gain, scale_loss, scale_tail_loss, tail_at, typical_scale
+from lnfree.massive import (
+    NormInputs,
+    pieces,
+    position0_log_gain,
+    scale_loss,
+    scale_tail_loss,
+    tail_at,
+    typical_scale,
+)
 from lnfree.position0_mlp import MlpOutputs, position0_mlp_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
@@ -68,8 +76,7 @@ class Objective:
         self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
         wanted = train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
         self.norm_inputs = NormInputs(model) if wanted else None
-        mlp0 = train.position0_mlp
-        blocks = [p.from_block for p in (mlp0 if isinstance(mlp0, list) else [mlp0])] if mlp0 is not None else []
+        blocks = [p.from_block for p in pieces(train.position0_mlp)]
         self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
 
     def tails_at(self, step: int) -> tuple:
