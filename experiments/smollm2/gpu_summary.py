@@ -1,6 +1,6 @@
-"""Tables of the SmolLM2-135M removals run on a lent H100 (experiments/smollm2/gpu_device.sh).
+"""Tables of SmolLM2-135M removal runs from their logs: those run on a lent H100 (experiments/smollm2/gpu_device.sh), or any.
 
-    python experiments/smollm2/gpu_summary.py [--results experiments/results/smollm2-135m/gpu]
+    python experiments/smollm2/gpu_summary.py [--results experiments/results/smollm2-135m/gpu] [--title T --source S]
 
 Each run folder under --results holds what came back from the GPU machine (the weights cannot): the
 run's log.jsonl, run_config.json and start.json (and summary.json where the run reached its end
@@ -33,7 +33,7 @@ def blocks(slots: list[str], kind: str) -> str:
 
 
 def run_summary(folder: Path) -> tuple[dict, list[str]]:
-    """One run's headline numbers and its evaluation table."""
+    """One run's headline numbers and its evaluation table (a run that stopped early: its last logged step)."""
     rows = read_log(folder)
     config = json.loads((folder / "run_config.json").read_text())
     evals = [r for r in rows if r.get("event") == "eval"]
@@ -64,6 +64,9 @@ def run_summary(folder: Path) -> tuple[dict, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("experiments/results/smollm2-135m/gpu"))
+    parser.add_argument("--title", default="SmolLM2-135M removals on one H100")
+    parser.add_argument("--source", default="the GPU machine (`experiments/smollm2/gpu_device.sh`)",
+                        help="where the run folders' logs come from, for the page's first line")
     args = parser.parse_args()
     runs = sorted(p for p in args.results.iterdir() if (p / "log.jsonl").is_file())
     if not runs:
@@ -73,12 +76,11 @@ def main() -> None:
         head, lines = run_summary(folder)
         heads.append(head)
         details += lines
-    out = ["# SmolLM2-135M removals on one H100", "",
-           "Written by `experiments/smollm2/gpu_summary.py` from the run logs that came back from the GPU "
-           "machine (`experiments/smollm2/gpu_device.sh`). Held-out CE on 66 × 64 tokens (4,158 scored); the "
+    out = [f"# {args.title}", "",
+           f"Written by `experiments/smollm2/gpu_summary.py` from the run logs of {args.source}. Held-out CE on 66 × 64 tokens (4,158 scored); the "
            "original model scores 3.654. 'Without ceiling' is the same model with the scale ceiling off: NaN "
            "once one held-out token overflows.", "",
-           "| run | steps × tokens | s/step (2–3 runs sharing the GPU) | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
+           "| run | steps × tokens | s/step | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
            "|---|---|---|---|---|---|"]
     for h in heads:
         nan = f"{h['first_non_finite_eval']} ({h['ln_2_fixed_when_broken']})" if h["first_non_finite_eval"] else "never"
