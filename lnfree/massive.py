@@ -268,17 +268,36 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
 
 
 
-class NormInputs:
-    """Keeps every norm's input of the latest forward pass (forward pre-hooks on the norm modules).
+class Captured:
+    """Tensors kept by forward hooks during the latest forward pass: `clear()` before a forward,
+    `take()` after it (a gradient-checkpointing recompute during the backward pass adds its tensors
+    again, and the next `clear()` drops them), `remove()` takes the hooks off."""
 
-    `clear()` before a forward, `take()` after it: a gradient-checkpointing recompute during the
-    backward pass adds its inputs again, and the next `clear()` drops them.
-    """
+    def __init__(self):
+        self.values: list[torch.Tensor] = []
+        self.handles: list = []
+
+    def clear(self) -> None:
+        self.values = []
+
+    def take(self) -> list[torch.Tensor]:
+        """The tensors seen since `clear()`, in forward order."""
+        values, self.values = self.values, []
+        return values
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class NormInputs(Captured):
+    """Keeps every norm's input of the latest forward pass (forward pre-hooks on the norm modules);
+    `sources` holds the norm module of each, until the next `clear()`."""
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         arch = architecture(model)
-        self.values: list[torch.Tensor] = []
-        self.sources: list[nn.Module] = []  # the norm module of each value, until the next `clear()`
+        self.sources: list[nn.Module] = []
         self.handles = [model.get_submodule(site.module).register_forward_pre_hook(self._keep)
                         for site in arch.sites() if not site.per_head]
 
@@ -287,16 +306,8 @@ class NormInputs:
         self.sources.append(module)
 
     def clear(self) -> None:
-        self.values, self.sources = [], []
-
-    def take(self) -> list[torch.Tensor]:
-        """The inputs seen since `clear()`, in forward order (their modules stay in `sources`)."""
-        values, self.values = self.values, []
-        return values
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        super().clear()
+        self.sources = []
 
 
 def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,

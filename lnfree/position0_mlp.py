@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.arch import architecture
-from lnfree.massive import typical_scale
+from lnfree.massive import Captured, typical_scale
 
 
 class Position0Mlp(BaseModel):
@@ -35,34 +35,21 @@ class Position0Mlp(BaseModel):
                             "usually writes the massive activation itself)")
 
 
-class MlpOutputs:
+class MlpOutputs(Captured):
     """Keeps each MLP's output (blocks from the lowest of `from_blocks` up, each checked against the
-    model's depth) of the latest forward pass: forward hooks on the MLP output projections. `clear()`
-    before a forward, `take()` after it."""
+    model's depth) of the latest forward pass: forward hooks on the MLP output projections."""
 
     def __init__(self, model: nn.Module, from_blocks: list[int]):
+        super().__init__()
         arch = architecture(model)
         if max(from_blocks) >= arch.n_layers:
             raise ValueError(f"position0_mlp.from_block is {max(from_blocks)}, but the model has {arch.n_layers} blocks")
-        self.values: list[torch.Tensor] = []
         self.first_block = from_block = min(from_blocks)
         self.handles = [model.get_submodule(arch.block(i, arch.mlp_out)).register_forward_hook(self._keep)
                         for i in range(from_block, arch.n_layers)]
 
     def _keep(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         self.values.append(out)
-
-    def clear(self) -> None:
-        self.values = []
-
-    def take(self) -> list[torch.Tensor]:
-        """The outputs seen since `clear()`, in forward order."""
-        values, self.values = self.values, []
-        return values
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def position0_mlp_loss(outputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:
