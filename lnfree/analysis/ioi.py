@@ -242,73 +242,11 @@ def make_ioi_prompts(
         raise ValueError("at least one template is needed")
     for template in templates:
         _template_fields(template)
-    words = {
-        "names": single_token_words(tokenizer, names),
-        "places": single_token_words(tokenizer, places),
-        "objects": tuple(o for o in single_token_words(tokenizer, objects)
-                         if single_token_id(tokenizer, _article(o)) is not None),
-    }  # fmt: skip
-    if len(words["names"]) < 2:
-        raise NotApplicable(f"IOI prompts need two names that are single tokens (after a space) of the model's "
-                            f"tokenizer; of {len(names)} candidates it has {list(words['names']) or 'none'}")
-    if not words["places"] or not words["objects"]:
-        raise NotApplicable("IOI prompts need a place and an object that are single tokens (after a space) of the "
-                            "model's tokenizer; it has none of the candidates for "
-                            + " and ".join(k for k in ("places", "objects") if not words[k]))
-    bos: list[int] = []
-    if prepend_bos:
-        bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if bos_id is None:
-            raise ValueError("prepend_bos=True but the tokenizer has neither a BOS nor an EOS token")
-        bos = [int(bos_id)]
-
-    probe = {"N1": words["names"][0], "N2": words["names"][1], "PLACE": words["places"][0],
-             "OBJECT": words["objects"][0], "ART": _article(words["objects"][0])}  # fmt: skip
-    probed = [_tokenise_pair(tokenizer, template, probe, bos) for template in templates]
-    kept, layout, dropped = _aligned_templates(templates, [None if p is None else p[2] for p in probed])
-
-    rng = random.Random(seed)
-    rows: list[dict] = []
-    n_pairs = (n_prompts + 1) // 2
-    rejected, max_rejected = 0, max(100, 10 * n_pairs)
-    while len(rows) < 2 * n_pairs:
-        t = rng.randrange(len(kept))
-        n1, n2 = rng.sample(words["names"], 2)
-        place = words["places"][rng.randrange(len(words["places"]))]
-        obj = words["objects"][rng.randrange(len(words["objects"]))]
-        base = {"N1": n1, "N2": n2, "PLACE": place, "OBJECT": obj, "ART": _article(obj)}
-        pair = _tokenise_pair(tokenizer, kept[t], base, bos)
-        if pair is None or pair[2] != layout:
-            # Only tokenizers that merge across word boundaries get here: draw another pair.
-            rejected += 1
-            if rejected > max_rejected:
-                raise NotApplicable(f"IOI prompts: {rejected} drawn word combinations did not tokenise to prompts "
-                                    "aligned with the template's (one token per name, place and object)")
-            continue
-        abba_ids, baba_ids, _ = pair
-        k = len(rows) // 2
-        abba = {**base, "S2": n2}  # S = second name, IO = first
-        baba = {**base, "S2": n1}  # S = first name, IO = second
-        rows.append({"pair": k, "template": t, "order": "ABBA", "clean": abba, "corrupt": baba, "io": n1, "s": n2,
-                     "clean_ids": abba_ids, "corrupt_ids": baba_ids})
-        rows.append({"pair": k, "template": t, "order": "BABA", "clean": baba, "corrupt": abba, "io": n2, "s": n1,
-                     "clean_ids": baba_ids, "corrupt_ids": abba_ids})  # fmt: skip
-    rows = rows[:n_prompts]
-
-    length, positions = layout
-    role: list[str | None] = ["BOS"] * len(bos) + [None] * (length - len(bos))
-    for name, pos in positions:
-        role[pos] = name
+    words = _single_token_lists(tokenizer, names, places, objects)
+    bos = _bos_ids(tokenizer, prepend_bos)
+    kept, layout, dropped = _kept_templates(tokenizer, templates, words, bos)
+    rows = _draw_rows(tokenizer, kept, layout, words, bos, n_prompts, seed)
     clean = torch.tensor([row["clean_ids"] for row in rows], dtype=torch.long)
-    labels = []
-    for pos in range(length):
-        tokens = set(clean[:, pos].tolist())
-        if role[pos] is not None:
-            labels.append(role[pos])
-        elif len(tokens) == 1:
-            labels.append(tokenizer.decode([tokens.pop()]).strip() or f"p{pos}")
-        else:
-            labels.append(f"p{pos}")
     return IOIPrompts(
         clean_ids=clean,
         corrupted_ids=torch.tensor([row["corrupt_ids"] for row in rows], dtype=torch.long),
@@ -322,13 +260,115 @@ def make_ioi_prompts(
         templates=[r["template"] for r in rows],
         template_texts=kept,
         pair=[r["pair"] for r in rows],
-        position_labels=labels,
-        s2_position=dict(positions)["S2"],
+        position_labels=_position_labels(tokenizer, clean, layout, len(bos)),
+        s2_position=dict(layout[1])["S2"],
         seed=seed,
         prepend_bos=prepend_bos,
         words=words,
         dropped_templates=dropped,
     )
+
+
+def _single_token_lists(tokenizer, names: Sequence[str], places: Sequence[str],
+                        objects: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The word lists filtered to single tokens (objects also need a single-token article); NotApplicable if too few."""
+    words = {
+        "names": single_token_words(tokenizer, names),
+        "places": single_token_words(tokenizer, places),
+        "objects": tuple(o for o in single_token_words(tokenizer, objects)
+                         if single_token_id(tokenizer, _article(o)) is not None),
+    }  # fmt: skip
+    if len(words["names"]) < 2:
+        raise NotApplicable(f"IOI prompts need two names that are single tokens (after a space) of the model's "
+                            f"tokenizer; of {len(names)} candidates it has {list(words['names']) or 'none'}")
+    if not words["places"] or not words["objects"]:
+        raise NotApplicable("IOI prompts need a place and an object that are single tokens (after a space) of the "
+                            "model's tokenizer; it has none of the candidates for "
+                            + " and ".join(k for k in ("places", "objects") if not words[k]))
+    return words
+
+
+def _bos_ids(tokenizer, prepend_bos: bool) -> list[int]:
+    """``[BOS id]`` (the EOS id when there is no BOS) with ``prepend_bos``, else ``[]``."""
+    if not prepend_bos:
+        return []
+    bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if bos_id is None:
+        raise ValueError("prepend_bos=True but the tokenizer has neither a BOS nor an EOS token")
+    return [int(bos_id)]
+
+
+def _kept_templates(tokenizer, templates: tuple[str, ...], words: dict[str, tuple[str, ...]],
+                    bos: list[int]) -> tuple[tuple[str, ...], tuple, dict[str, str]]:
+    """Each template probed with the first word of each list, then :func:`_aligned_templates` of their layouts."""
+    probe = {"N1": words["names"][0], "N2": words["names"][1], "PLACE": words["places"][0],
+             "OBJECT": words["objects"][0], "ART": _article(words["objects"][0])}  # fmt: skip
+    probed = [_tokenise_pair(tokenizer, template, probe, bos) for template in templates]
+    return _aligned_templates(templates, [None if p is None else p[2] for p in probed])
+
+
+def _draw_rows(tokenizer, kept: tuple[str, ...], layout: tuple, words: dict[str, tuple[str, ...]], bos: list[int],
+               n_prompts: int, seed: int) -> list[dict]:
+    """``n_prompts`` prompt rows, pair by pair (ABBA, then its BABA partner), drawn by ``random.Random(seed)``.
+
+    A draw whose prompts do not have ``layout`` is redrawn; too many such draws raise NotApplicable.
+    """
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    n_pairs = (n_prompts + 1) // 2
+    rejected, max_rejected = 0, max(100, 10 * n_pairs)
+    while len(rows) < 2 * n_pairs:
+        t, base = _draw_words(rng, len(kept), words)
+        pair = _tokenise_pair(tokenizer, kept[t], base, bos)
+        if pair is None or pair[2] != layout:
+            # Only tokenizers that merge across word boundaries get here: draw another pair.
+            rejected += 1
+            if rejected > max_rejected:
+                raise NotApplicable(f"IOI prompts: {rejected} drawn word combinations did not tokenise to prompts "
+                                    "aligned with the template's (one token per name, place and object)")
+            continue
+        rows += _partner_rows(len(rows) // 2, t, base, pair[0], pair[1])
+    return rows[:n_prompts]
+
+
+def _draw_words(rng: random.Random, n_templates: int, words: dict[str, tuple[str, ...]]) -> tuple[int, dict[str, str]]:
+    """One draw: a template index and its slot words (two distinct names, a place, an object and its article)."""
+    t = rng.randrange(n_templates)
+    n1, n2 = rng.sample(words["names"], 2)
+    place = words["places"][rng.randrange(len(words["places"]))]
+    obj = words["objects"][rng.randrange(len(words["objects"]))]
+    return t, {"N1": n1, "N2": n2, "PLACE": place, "OBJECT": obj, "ART": _article(obj)}
+
+
+def _partner_rows(k: int, t: int, base: dict[str, str], abba_ids: list[int], baba_ids: list[int]) -> list[dict]:
+    """Pair ``k``'s two rows: the ABBA prompt, then its BABA partner; each one's corruption is the other."""
+    n1, n2 = base["N1"], base["N2"]
+    abba = {**base, "S2": n2}  # S = second name, IO = first
+    baba = {**base, "S2": n1}  # S = first name, IO = second
+    return [
+        {"pair": k, "template": t, "order": "ABBA", "clean": abba, "corrupt": baba, "io": n1, "s": n2,
+         "clean_ids": abba_ids, "corrupt_ids": baba_ids},
+        {"pair": k, "template": t, "order": "BABA", "clean": baba, "corrupt": abba, "io": n2, "s": n1,
+         "clean_ids": baba_ids, "corrupt_ids": abba_ids},
+    ]  # fmt: skip
+
+
+def _position_labels(tokenizer, clean: torch.Tensor, layout: tuple, n_bos: int) -> list[str]:
+    """One label per position: "BOS", a slot's name, the token every prompt has there, or ``p{pos}``."""
+    length, positions = layout
+    role: list[str | None] = ["BOS"] * n_bos + [None] * (length - n_bos)
+    for name, pos in positions:
+        role[pos] = name
+    labels = []
+    for pos in range(length):
+        tokens = set(clean[:, pos].tolist())
+        if role[pos] is not None:
+            labels.append(role[pos])
+        elif len(tokens) == 1:
+            labels.append(tokenizer.decode([tokens.pop()]).strip() or f"p{pos}")
+        else:
+            labels.append(f"p{pos}")
+    return labels
 
 
 def _tokenise_pair(tokenizer, template: str, base: dict[str, str], bos: list[int]):
