@@ -49,7 +49,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
 from lnfree import surgery
-from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm
+from lnfree.arch import architecture
+from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
+from lnfree.fixedscale.state import ScaleState
 from lnfree.runtime import steady_allocator
 from lnfree.train import compile_blocks
 
@@ -166,10 +168,11 @@ def stable_under_fixed_norms(model: LlamaForCausalLM) -> LlamaForCausalLM:
     compute are unchanged.
     """
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(50)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
+        arch = architecture(model)
+        model.get_submodule(arch.token_embedding).weight.mul_(50)
+        for layer in range(arch.n_layers):
+            for writer in (arch.attn_out, arch.mlp_out):
+                model.get_submodule(arch.block(layer, writer)).weight.mul_(0.1)
     return model
 
 

@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from lnfree.fixedscale.norms import ScaleState
+from lnfree.fixedscale.state import ScaleState
 
 #: How far the ceiling rises while it is released, before it is removed.
 RELEASE_RISE = 1000.0

@@ -33,7 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lnfree import __version__, surgery
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out, set_norm_eps, v_mask
-from lnfree.fixedscale.norms import ScaleState, second_moment
+from lnfree.fixedscale.functional import second_moment
+from lnfree.fixedscale.state import ScaleState
 from lnfree.config import RunConfig
 from lnfree.layout import EXPORT, RUN_CONFIG, TOKENIZER
 from lnfree.massive import NEURONS_FILE

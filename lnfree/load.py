@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lnfree import bridge, surgery
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
-from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState
+from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.fixedscale.state import ScaleState
 from lnfree.export import EPS_TRICK_EPS, RECORD, ExportError, load_checkpoint, to_eps_trick
 from lnfree.fold import FoldError, fold
 from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
@@ -42,11 +43,12 @@ class LoadError(ValueError):
 class LoadedModel:
     """A model with each norm known as real or fixed-scale (σ), and its exact representations."""
 
-    def __init__(self, model: nn.Module, tokenizer, source: str, kind: str, sigma_known: bool):
+    def __init__(self, model: nn.Module, tokenizer, source: str, stored_as: str, sigma_known: bool):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.source = source
-        self.kind = kind
+        #: How the model was stored: "lnfree checkpoint", "lnfree export", "eps-trick checkpoint" or "plain model".
+        self.stored_as = stored_as
         self.sigma_known = sigma_known
 
     @property
@@ -71,7 +73,7 @@ class LoadedModel:
         norms = self.norms
         fixed = sum(n["fixed"] for n in norms.values())
         state = "LN-free" if fixed == len(norms) else ("original norms" if fixed == 0 else "partially LN-free")
-        return (f"LoadedModel({self.source!r}, {self.arch.family} {self.kind}, {state}: {fixed}/{len(norms)} norms "
+        return (f"LoadedModel({self.source!r}, {self.arch.family} {self.stored_as}, {state}: {fixed}/{len(norms)} norms "
                 f"fixed-scale, {len(norms) - fixed} real, dtype={next(self.model.parameters()).dtype})")
 
     def hf(self) -> nn.Module:
@@ -230,7 +232,7 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedMod
         model, tokenizer, _ = load_checkpoint(checkpoint)
         if not surgery.is_installed(model):  # a vanilla-control run: every norm real
             surgery.install(model)
-        kind, sigma_known = "lnfree checkpoint", True
+        stored_as, sigma_known = "lnfree checkpoint", True
     else:
         load_config(source)  # one clear error for unsupported sources
         location = str(path) if local else source
@@ -248,8 +250,8 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedMod
         record = _record(location, local)
         model, sigma_known = _from_plain(plain, record)
         fixed = sum(s.is_fixed for s in surgery.scale_states(model).values())
-        kind = "lnfree export" if record else ("eps-trick checkpoint" if fixed else "plain model")
-    return LoadedModel(model.to(dtype), tokenizer, source, kind, sigma_known)
+        stored_as = "lnfree export" if record else ("eps-trick checkpoint" if fixed else "plain model")
+    return LoadedModel(model.to(dtype), tokenizer, source, stored_as, sigma_known)
 
 
 class _CallableModule(types.ModuleType):

@@ -31,7 +31,8 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
-from lnfree.fixedscale.norms import SplitNorm, second_moment
+from lnfree.fixedscale.functional import second_moment
+from lnfree.fixedscale.norms import SplitNorm
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"
@@ -415,7 +416,7 @@ def scale_tail_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_tok
 
 def _scale_with_grad(x: torch.Tensor, kind: str) -> torch.Tensor:
     """Each token's scale as its norm computes it, in fp32, with its gradient (the losses' input;
-    `lnfree.fixedscale.norms.token_scale` is the detached one)."""
+    `lnfree.fixedscale.functional.token_scale` is the detached one)."""
     return torch.sqrt(second_moment(x.float(), kind) + 1e-12)
 
 

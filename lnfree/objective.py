@@ -22,7 +22,7 @@ from torch import nn
 
 from lnfree.config import TrainConfig
 from lnfree.distill import kl_to_teacher
-from lnfree.fixedscale.norms import second_moment
+from lnfree.fixedscale.functional import second_moment
 from lnfree.massive import (
     NormInputs,
     pieces,

@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from transformers import GPT2Config
 
 from lnfree.arch import architecture
+from lnfree.arch.gpt2 import published_config
 from lnfree.config import load_preset
 from lnfree.distill import resolve_teacher_dtype
-from lnfree.fixedscale.norms import FOLD_ELEMENTS
+from lnfree.fixedscale.state import FOLD_ELEMENTS
 from lnfree.models import load_config
 
 GB = 1e9
@@ -210,19 +210,10 @@ def choose(
     return Plan(setup=chosen, prediction=prediction, gpu_memory_gb=gpu_memory_gb, fits=prediction.total <= limit)
 
 
-#: GPT-2 sizes (the presets' models), so a plan needs neither the weights nor the Hub.
-GPT2_SIZES = {
-    "openai-community/gpt2": (12, 768, 12), "openai-community/gpt2-medium": (24, 1024, 16),
-    "openai-community/gpt2-large": (36, 1280, 20), "openai-community/gpt2-xl": (48, 1600, 25),
-}
-
-
 def config_of(model: str):
-    """The transformers config of `model`: a known GPT-2 size, else as `lnfree.models.load_config` finds it."""
-    if model in GPT2_SIZES:
-        layers, hidden, heads = GPT2_SIZES[model]
-        return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads)
-    return load_config(model)
+    """The transformers config of `model`: a published GPT-2 size (no Hub needed), else as
+    `lnfree.models.load_config` finds it."""
+    return published_config(model) or load_config(model)
 
 
 def run_teacher(config, shape: ModelShape, gpu: bool) -> Teacher | None:

@@ -19,7 +19,8 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.arch.base import column_selector, norm_eps
-from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, TokenContext
+from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
+from lnfree.fixedscale.state import ScaleState, TokenContext
 from lnfree.schedule import Event
 
 SPECIALS = {"pos0_special": "pos0", "eot_special": "eot"}

@@ -7,7 +7,7 @@ but each waits until the smoothed training loss has recovered (`lnfree.schedule.
 With `blend_steps` = k > 1 a removal at step s is gradual: the fixed fraction is 1/k at step s,
 2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1. A stage's own `blend_steps`
 (carried by its events) overrides the run's; a special-σ stage with `blend_steps` fades that σ
-out over as many steps (`lnfree.fixedscale.norms.ScaleState.fade_special`).
+out over as many steps (`lnfree.fixedscale.state.ScaleState.fade_special`).
 
 Its decisions are a pure function of the per-step training losses it is given: the same on every
 rank (the losses are averaged over ranks first) and after a resume (`state_dict` holds what it

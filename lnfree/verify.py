@@ -103,7 +103,7 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
                                 worst_token_relative_error=measured["worst_token_relative_error"], worst_token=worst)
 
     path = Path(str(source))
-    if loaded.kind != "lnfree checkpoint" and (path / "config.json").is_file():
+    if loaded.stored_as != "lnfree checkpoint" and (path / "config.json").is_file():
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         measured = compare_logits(plain, reference, ids)
         note = "" if within(measured, tolerance) else (
@@ -123,7 +123,7 @@ def verify(source: str | Path, *, tolerance: float = TOLERANCE, seed: int = 0, b
     fingerprint = check_fingerprint(source, loaded, tolerance)
     return {
         "source": str(source),
-        "kind": loaded.kind,
+        "kind": loaded.stored_as,  # the JSON key of earlier records
         "repr": repr(loaded),
         "tolerance": tolerance,
         "tokens": list(ids.shape),

@@ -85,7 +85,7 @@ def test_layernorm_model_dla_differs_from_de_and_de_is_an_ablation(models, token
     recomputed = dla.final_norm(bridge, store["x"].double()) @ bridge.W_U.double() + bridge.b_U.double()
     torch.testing.assert_close(recomputed, logits.double(), atol=1e-4, rtol=0)
     # DE of a head == the target-logit drop when the bridge runs with that head removed from the final residual
-    from lnfree.bridge import residual_decomposition
+    from lnfree.attribution import residual_decomposition
 
     index = result.labels.index("L2H1")
     component = residual_decomposition(bridge, tokens, per_head=True).components[index]

@@ -41,6 +41,22 @@ def fully_fixed(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_every_module_path_the_adapter_names_exists_in_the_model(family):
+    model = tiny_family(family)
+    arch = architecture(model)
+    paths = [arch.final_norm, arch.unembedding, arch.token_embedding, arch.layers]
+    paths += [arch.position_embedding] if arch.position_embedding else []
+    for layer in range(arch.n_layers):
+        paths += [arch.block(layer, name) for name in (arch.attention, arch.attn_out, arch.mlp, *arch.mlp_in, arch.mlp_out)]
+    paths += [site.module for site in arch.sites()]
+    paths += [consumer.path for site in arch.sites() for consumer in site.consumers]
+    for path in paths:
+        model.get_submodule(path)  # AttributeError names a path the family does not have
+    writers = [model.get_submodule(arch.block(0, name)) for name in (arch.attn_out, arch.mlp_out)]
+    assert all(w.weight.shape[-1 if arch.conv1d else 0] == arch.hidden for w in writers)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_installed_model_equals_the_original_until_switched_and_refuses_save_pretrained(family, tmp_path):
     base = tiny_family(family)
     model = surgery.install(copy.deepcopy(base))
@@ -73,7 +89,7 @@ def test_export_load_fold_and_bridge_reproduce_the_ln_free_model(family, tokeniz
         assert (plain(input_ids=x).logits - reference).abs().max() <= TOLERANCE
 
     loaded = lnfree.load(folder)
-    assert loaded.fully_ln_free and loaded.kind == "lnfree export" and loaded.arch.family == architecture(model).family
+    assert loaded.fully_ln_free and loaded.stored_as == "lnfree export" and loaded.arch.family == architecture(model).family
     for slot, entry in loaded.norms.items():
         assert entry["sigma"] == pytest.approx(float(surgery.scale_states(model)[slot].sigma), rel=1e-6)
     with torch.no_grad():

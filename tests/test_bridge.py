@@ -17,11 +17,10 @@ from lnfree.bridge import (  # noqa: E402
     bridge_with_own_norms,
     bridge_from_layernorm,
     bridge_logits,
-    direct_logit_attribution,
     hook_name,
     is_layernorm_free,
-    residual_decomposition,
 )
+from lnfree.attribution import direct_logit_attribution, residual_decomposition  # noqa: E402
 
 TOL = 1e-4
 

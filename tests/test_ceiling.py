@@ -13,7 +13,9 @@ import torch
 
 from families import FAMILIES, tiny_family
 from lnfree import surgery
-from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState, real_norm
+from lnfree.fixedscale.functional import real_norm
+from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.fixedscale.state import ScaleState
 from lnfree.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling, watching
 from lnfree.config import with_overrides
 from lnfree.train import run

@@ -35,3 +35,28 @@ def test_modules_import_lnfree_at_the_top_only_the_cli_defers():
              for hit in deferred_imports(path)]
     assert found == [], f"imports inside functions (an import cycle or a slow import hidden?): {found}"
     assert deferred_imports(PACKAGE / "cli.py"), "the check finds deferred imports where there are some"
+
+
+
+#: The size a reader can hold at once (issue 23's rule for the package).
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def long_functions(path: Path) -> list[str]:
+    """`file:function (lines)` of each function in `path` longer than MAX_FUNCTION_LINES."""
+    return [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1})"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_modules_and_functions_stay_readable(tmp_path):
+    modules = sorted(PACKAGE.rglob("*.py"))
+    too_long = [f"{p.relative_to(PACKAGE)} ({n})" for p in modules
+                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert too_long == [], f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+    functions = [hit for path in modules for hit in long_functions(path)]
+    assert functions == [], f"functions over {MAX_FUNCTION_LINES} lines: {functions}"
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}")
+    assert long_functions(tmp_path / "long.py") == [f"long.py:f ({MAX_FUNCTION_LINES + 1})"], "the check sees a long one"

@@ -43,7 +43,7 @@ def test_export_loads_exactly_with_its_sigmas(tokenizer, tmp_path):
     model = removed(tokenizer)
     write_export(model, tokenizer, tmp_path / "export", {})
     loaded = load(tmp_path / "export")
-    assert loaded.kind == "lnfree export" and loaded.fully_ln_free
+    assert loaded.stored_as == "lnfree export" and loaded.fully_ln_free
     assert "LN-free: 10/10 norms fixed-scale" in repr(loaded)
     for name, entry in surgery.removal_state(model).items():
         assert loaded.norms[name]["sigma"] == pytest.approx(entry["sigma"], rel=1e-6)
@@ -62,7 +62,7 @@ def test_published_format_with_config_eps_left_at_1e5_loads_exactly(tokenizer, t
     naive = GPT2LMHeadModel.from_pretrained(tmp_path / "pub").eval()
     assert (logits(naive, IDS) - logits(model, IDS)).abs().max() > 1.0  # the trap
     loaded = load(tmp_path / "pub")
-    assert loaded.kind == "eps-trick checkpoint" and loaded.fully_ln_free
+    assert loaded.stored_as == "eps-trick checkpoint" and loaded.fully_ln_free
     assert all(n["sigma"] is None for n in loaded.norms.values())  # σ is folded into the weights
     assert (logits(loaded.hf(), IDS) - logits(model, IDS)).abs().max() <= 1e-5
     report = verify(tmp_path / "pub", bridge=False)
@@ -90,7 +90,7 @@ def test_low_precision_loads_never_overflow(tokenizer, tmp_path, dtype, toleranc
 
 def test_ordinary_gpt2_loads_with_real_norms(model_dir):
     loaded = load(model_dir)
-    assert loaded.kind == "plain model" and not any(n["fixed"] for n in loaded.norms.values())
+    assert loaded.stored_as == "plain model" and not any(n["fixed"] for n in loaded.norms.values())
     assert "original norms" in repr(loaded)
     plain = GPT2LMHeadModel.from_pretrained(model_dir).eval()
     assert torch.equal(logits(loaded.hf(), IDS), logits(plain, IDS))
@@ -134,7 +134,7 @@ def test_checkpoints_at_every_stage_load_exactly_in_every_representation(run_con
     }
     for name, (fixed, bridgeable) in stages.items():
         loaded = load(checkpoints / name)
-        assert loaded.kind == "lnfree checkpoint"
+        assert loaded.stored_as == "lnfree checkpoint"
         assert sum(n["fixed"] for n in loaded.norms.values()) == fixed, name
         reference = logits(loaded.hf(), ids)
         if bridgeable:
@@ -154,7 +154,7 @@ def test_lnfree_load_is_callable_from_the_package(tiny_ln_free_export):
 
     loaded = lnfree.load(tiny_ln_free_export)
     assert isinstance(loaded, LoadedModel) and loaded.fully_ln_free
-    assert lnfree.load("tiny").kind == "plain model"
+    assert lnfree.load("tiny").stored_as == "plain model"
 
 
 def test_a_mixed_published_checkpoint_is_refused_not_guessed(tokenizer, tmp_path):

@@ -11,9 +11,9 @@ from families import FAMILIES, tiny_family
 
 from lnfree import surgery
 from lnfree.arch import architecture
-from lnfree.fixedscale.norms import (
-    FOLD_ELEMENTS, FOLD_EVERY, FixedScaleNorm, NormalisedProjection, ScaleState, SplitNorm, centred_times, second_moment,
-)
+from lnfree.fixedscale.functional import centred_times, second_moment
+from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
+from lnfree.fixedscale.state import FOLD_ELEMENTS, FOLD_EVERY, ScaleState
 from lnfree.fixedscale.rescaled import RescaledProjection
 from lnfree.schedule import Event
 

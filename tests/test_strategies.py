@@ -11,7 +11,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lnfree import surgery
-from lnfree.fixedscale.norms import FixedScaleNorm, ScaleState, real_norm
+from lnfree.fixedscale.functional import real_norm
+from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.fixedscale.state import ScaleState
 from lnfree.config import with_overrides
 from lnfree.distill import kl_to_teacher
 from lnfree.export import ExportError, export_run, to_eps_trick

@@ -92,7 +92,7 @@ def test_vanilla_control_removes_nothing_and_sees_the_same_first_loss(run_config
                   progress=False)
     assert not surgery.is_installed(control.model) and control.events == []
     loaded = load(control.output_dir)  # a vanilla run folder loads with every norm real
-    assert loaded.kind == "lnfree checkpoint" and not any(n["fixed"] for n in loaded.norms.values())
+    assert loaded.stored_as == "lnfree checkpoint" and not any(n["fixed"] for n in loaded.norms.values())
     ids = torch.randint(0, control.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(loaded.model(input_ids=ids).logits, control.model.eval()(input_ids=ids).logits, atol=1e-5)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lnfree import surgery
+from lnfree.arch import architecture
 from lnfree.config import DataConfig
 from lnfree.data import prepare_data
 from lnfree.models import load_base
@@ -46,10 +47,14 @@ def norm_inputs(model, arch_norms: dict[str, torch.nn.Module], tokens: torch.Ten
     return seen
 
 
+def block_norms(model) -> dict[str, torch.nn.Module]:
+    """Each block's attention-input ("{layer}.ln_1") and MLP-input ("{layer}.ln_2") norm, in block order."""
+    return {f"{site.layer}.{site.stage}": model.get_submodule(site.module) for site in architecture(model).sites()
+            if site.stage in ("ln_1", "ln_2")}
+
+
 def position0_ratios(model, tokens: torch.Tensor) -> list[dict]:
-    layers = model.model.layers
-    norms = {f"{i}.{kind}": getattr(layer, attr) for i, layer in enumerate(layers)
-             for kind, attr in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm"))}
+    norms = block_norms(model)
     inputs = norm_inputs(model, norms, tokens)
     rows = []
     for name, module in norms.items():
@@ -72,12 +77,11 @@ def muting(model, score: torch.Tensor, channels: list[int]) -> list[dict]:
     for first in range(1, len(channels) + 1):
         for which in ("ln_2", "ln_1", "both"):
             saved = []
-            for layer in model.model.layers:
-                for kind, norm in (("ln_1", layer.input_layernorm), ("ln_2", layer.post_attention_layernorm)):
-                    if which in (kind, "both"):
-                        saved.append((norm.weight, norm.weight.detach().clone()))
-                        with torch.no_grad():
-                            norm.weight[channels[:first]] = 0
+            for name, norm in block_norms(model).items():
+                if which in (name.split(".")[1], "both"):
+                    saved.append((norm.weight, norm.weight.detach().clone()))
+                    with torch.no_grad():
+                        norm.weight[channels[:first]] = 0
             with torch.no_grad():
                 ce = float(model(input_ids=score, labels=score).loss)
             for weight, value in saved:

@@ -7,7 +7,7 @@ layer's attention output bias and MLP output):
 
 * ``DLA(c)`` is the component's contribution to the target logit read through the final norm at
   the run's own cached scale: ``LN_cached(c) · W_U[:, t]``, computed by
-  :func:`lnfree.bridge.direct_logit_attribution`.  The DLAs of all components plus the
+  :func:`lnfree.attribution.direct_logit_attribution`.  The DLAs of all components plus the
   unembedding (and final-norm) bias sum to the target logit.
 * ``DE(c)`` is what the target logit loses when the component is removed from the final
   residual stream and the final norm is recomputed on what is left:
@@ -38,9 +38,10 @@ import torch
 
 from lnfree.analysis.common import AnalysisModel, write_figure
 from lnfree.results import ratio_of_means_ci, write_summary, write_table
-from lnfree.bridge import (
-    ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, norm_weight, residual_decomposition,
+from lnfree.attribution import (
+    ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, residual_decomposition,
 )
+from lnfree.bridge import norm_weight
 
 __all__ = [
     "DlaResult",

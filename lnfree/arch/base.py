@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lnfree.fixedscale.norms import NormKind
+from lnfree.fixedscale.functional import NormKind
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Architecture:
     position_embedding: ClassVar[str | None] = None
     layers: ClassVar[str]  # path of the ModuleList of blocks
     attention: ClassVar[str]  # block-relative path of the attention module
+    attn_out: ClassVar[str]  # block-relative path of the attention's output projection
     mlp: ClassVar[str]  # block-relative path of the MLP
     mlp_in: ClassVar[tuple[str, ...]]  # block-relative paths of the MLP's input projections (one output feature per neuron)
     mlp_out: ClassVar[str]  # block-relative path of the MLP's output projection (its input: the neurons' activations)

@@ -3,7 +3,24 @@
 
 from __future__ import annotations
 
+from transformers import GPT2Config
+
 from lnfree.arch.base import Architecture, BridgeSpec, Consumer, NormSite, UnsupportedModel
+
+#: The published GPT-2 sizes (the presets' models) as (blocks, width, heads), so plans and schedules of
+#: the presets need neither the weights nor the Hub.
+PUBLISHED_SIZES = {
+    "openai-community/gpt2": (12, 768, 12), "openai-community/gpt2-medium": (24, 1024, 16),
+    "openai-community/gpt2-large": (36, 1280, 20), "openai-community/gpt2-xl": (48, 1600, 25),
+}
+
+
+def published_config(model: str) -> GPT2Config | None:
+    """The config of a published GPT-2 size named by its Hub id, else None."""
+    if model not in PUBLISHED_SIZES:
+        return None
+    layers, hidden, heads = PUBLISHED_SIZES[model]
+    return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads)
 
 
 class GPT2(Architecture):
@@ -19,6 +36,7 @@ class GPT2(Architecture):
     position_embedding = "transformer.wpe"
     layers = "transformer.h"
     attention = "attn"
+    attn_out = "attn.c_proj"
     mlp = "mlp"
     mlp_in = ("mlp.c_fc",)
     mlp_out = "mlp.c_proj"

@@ -23,6 +23,7 @@ class GPTNeoX(Architecture):
     token_embedding = "gpt_neox.embed_in"
     layers = "gpt_neox.layers"
     attention = "attention"
+    attn_out = "attention.dense"
     mlp = "mlp"
     mlp_in = ("mlp.dense_h_to_4h",)
     mlp_out = "mlp.dense_4h_to_h"

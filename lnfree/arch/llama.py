@@ -20,6 +20,7 @@ class Llama(Architecture):
     token_embedding = "model.embed_tokens"
     layers = "model.layers"
     attention = "self_attn"
+    attn_out = "self_attn.o_proj"
     mlp = "mlp"
     mlp_in = ("mlp.gate_proj", "mlp.up_proj")
     mlp_out = "mlp.down_proj"

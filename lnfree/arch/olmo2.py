@@ -26,6 +26,7 @@ class Olmo2(Architecture):
     token_embedding = "model.embed_tokens"
     layers = "model.layers"
     attention = "self_attn"
+    attn_out = "self_attn.o_proj"
     mlp = "mlp"
     mlp_in = ("mlp.gate_proj", "mlp.up_proj")
     mlp_out = "mlp.down_proj"
@@ -38,8 +39,8 @@ class Olmo2(Architecture):
             for name, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
                 sites.append(NormSite(attn(name), name, i, (Consumer(attn(proj)),), on_output=True))
             sites.append(NormSite(self.block(i, "post_attention_layernorm"), "post_attn", i,
-                                  (Consumer(attn("o_proj")),), on_output=True))
+                                  (Consumer(self.block(i, self.attn_out)),), on_output=True))
             sites.append(NormSite(self.block(i, "post_feedforward_layernorm"), "post_mlp", i,
-                                  (Consumer(self.block(i, "mlp.down_proj")),), on_output=True))
+                                  (Consumer(self.block(i, self.mlp_out)),), on_output=True))
         sites.append(NormSite(self.final_norm, "ln_f", None, (Consumer(self.unembedding),)))
         return sites

@@ -31,7 +31,7 @@ class EvalModel:
     module: nn.Module
     tokenizer: Any
     source: str = ""
-    kind: str = ""
+    stored_as: str = ""  # `LoadedModel.stored_as`
     form: str = "hf"
     dtype: str = "float32"
     fully_ln_free: bool | None = None
@@ -109,6 +109,6 @@ def load_models(
             module = _plain_module(source, torch_dtype)
         else:
             module, used = loaded.model.to(torch_dtype), "hf" if form == "hf" else "hf (not foldable)"
-        models.append(EvalModel(label, module.eval(), loaded.tokenizer, str(source), loaded.kind, used,
+        models.append(EvalModel(label, module.eval(), loaded.tokenizer, str(source), loaded.stored_as, used,
                                 str(torch_dtype).removeprefix("torch."), ln_free))
     return models

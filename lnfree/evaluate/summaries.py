@@ -131,7 +131,7 @@ class ModelResult:
 
     label: str
     source: str
-    kind: str
+    kind: str  # how the model was stored (`LoadedModel.stored_as`), under the JSON key of earlier results
     form: str
     dtype: str
     fully_ln_free: bool | None
@@ -185,7 +185,7 @@ def summarise_model(
     count, listed = outliers(scores, tokens, model.tokenizer, threshold, limit=max_outliers)
     below = scores.ce[scores.ce <= threshold].double()
     return ModelResult(
-        label=model.label, source=model.source, kind=model.kind, form=model.form, dtype=model.dtype,
+        label=model.label, source=model.source, kind=model.stored_as, form=model.form, dtype=model.dtype,
         fully_ln_free=model.fully_ln_free, sequences=n, context=width + 1, scored_tokens=n * width,
         ce=distribution(scores.ce, n_resamples=n_resamples, seed=seed), threshold=threshold,
         tokens_above_threshold=count, sequences_with_outliers=int((scores.ce > threshold).any(dim=1).sum()),

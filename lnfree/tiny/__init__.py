@@ -1,14 +1,15 @@
 """The bundled tiny pretrained GPT-2: its corpus generator, tokenizer and location on disk.
 
 ``TINY_MODEL_DIR`` holds a 4-layer, 128-wide GPT-2 trained from scratch on the synthetic corpus of
-:mod:`lnfree.tiny.corpus` (see ``experiments/tiny_pretrain/train_tiny.py``). Load it offline with
+:mod:`lnfree.tiny.corpus` (words from :mod:`lnfree.tiny.words`; see ``experiments/tiny_pretrain/train_tiny.py``). Load it offline with
 ``GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR)`` and ``AutoTokenizer.from_pretrained(TINY_MODEL_DIR)``.
 """
 
 from pathlib import Path
 
-from lnfree.tiny.corpus import NAMES, OBJECTS, PLACES, generate_documents
+from lnfree.tiny.corpus import generate_documents
 from lnfree.tiny.tokenizer import EOT_TOKEN, UNK_TOKEN, build_tokenizer, encode_documents
+from lnfree.tiny.words import NAMES, OBJECTS, PLACES
 
 __all__ = [
     "TINY_MODEL_DIR",

@@ -32,144 +32,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from lnfree.tiny.words import (
+    FEMALE_NAMES, PLURAL_OVERRIDES, ANIMALS, NUMBERS, OBJECT_ADJECTIVES, PLACE_ADJECTIVES, FEELINGS, WEATHER, ROLES_F,
+    ROLES_M, ROLES_N, RELATIONS_F, RELATIONS_M, TIMES, PREPOSITIONS, Verb, MOTION_VERBS, GIVE_VERBS,
+    OBJECT_VERBS, INTRANSITIVE_VERBS, SAY_VERBS, SOCIAL_VERBS, HAVE, FEEL, SPAN_POOL, PUNCT, VOWELS, NAMES,
+    OBJECTS, PLACES,
+)
+
 __all__ = [
-    "NAMES",
-    "FEMALE_NAMES",
-    "MALE_NAMES",
-    "PLACES",
-    "OBJECTS",
     "generate_documents",
     "generate_document",
 ]
-
-# --------------------------------------------------------------------------------------------
-# Word lists
-# --------------------------------------------------------------------------------------------
-
-FEMALE_NAMES: tuple[str, ...] = (
-    "Mary", "Anna", "Emma", "Sarah", "Lucy", "Kate", "Laura", "Alice", "Julia", "Clara",
-    "Sophie", "Ella", "Nora", "Lily", "Amy", "Helen", "Jane", "Eva", "Maria", "Rachel",
-)  # fmt: skip
-MALE_NAMES: tuple[str, ...] = (
-    "John", "Tom", "James", "David", "Paul", "Michael", "Peter", "Daniel", "Sam", "Jack",
-    "Henry", "Leo", "Robert", "Ben", "Oscar", "Adam", "Oliver", "Lucas", "Victor", "Hugo",
-)  # fmt: skip
-#: All character names (40). Each is a single token of the bundled tokenizer.
-NAMES: tuple[str, ...] = FEMALE_NAMES + MALE_NAMES
-
-#: Places (20), used as ``the <place>``.
-PLACES: tuple[str, ...] = (
-    "store", "park", "school", "garden", "market", "library", "beach", "river", "forest",
-    "station", "kitchen", "office", "hospital", "farm", "museum", "bakery", "lake", "hill",
-    "village", "restaurant",
-)  # fmt: skip
-
-#: Objects (30), used as ``a <object>`` / ``the <object>``.
-OBJECTS: tuple[str, ...] = (
-    "drink", "ball", "book", "key", "apple", "letter", "ring", "hat", "cup", "bag", "pen",
-    "box", "kite", "basket", "lamp", "coin", "map", "flower", "cake", "bottle", "bell",
-    "candle", "rope", "shoe", "clock", "toy", "stone", "card", "bowl", "blanket",
-)  # fmt: skip
-
-_PLURAL_OVERRIDES = {"box": "boxes", "fox": "foxes", "sheep": "sheep", "mouse": "mice"}
-
-ANIMALS: tuple[str, ...] = (
-    "cat", "dog", "bird", "fish", "horse", "cow", "duck", "rabbit", "mouse", "frog", "bear",
-    "fox", "owl", "goat", "sheep",
-)  # fmt: skip
-COLORS: tuple[str, ...] = (
-    "red", "blue", "green", "yellow", "white", "black", "brown", "pink", "purple", "orange",
-)  # fmt: skip
-NUMBERS: tuple[str, ...] = (
-    "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-)  # fmt: skip
-OBJECT_ADJECTIVES: tuple[str, ...] = (
-    "big", "small", "old", "new", "shiny", "heavy", "soft", "warm", "cold", "bright", "dark",
-    "tiny", "round", "strange", "beautiful", "little", "wooden", "broken", "clean", "dirty",
-    "lovely", "golden", "funny", "special", "empty", "secret", "famous", "useful",
-) + COLORS  # fmt: skip
-PLACE_ADJECTIVES: tuple[str, ...] = (
-    "quiet", "busy", "big", "small", "warm", "cold", "dark", "bright", "beautiful", "crowded",
-    "empty", "old", "new", "noisy", "peaceful", "clean", "sunny", "huge",
-)  # fmt: skip
-FEELINGS: tuple[str, ...] = (
-    "happy", "sad", "tired", "excited", "angry", "scared", "proud", "surprised", "calm",
-    "curious", "hungry", "worried", "lonely", "bored", "glad", "nervous",
-)  # fmt: skip
-WEATHER: tuple[str, ...] = ("sunny", "rainy", "cold", "windy", "warm", "cloudy", "snowy", "hot")
-ROLES_F: tuple[str, ...] = ("girl", "woman", "queen", "princess", "lady")
-ROLES_M: tuple[str, ...] = ("boy", "man", "king", "prince", "farmer")
-ROLES_N: tuple[str, ...] = (
-    "child", "teacher", "baker", "doctor", "painter", "sailor", "student", "cook", "pilot",
-    "nurse", "singer", "writer",
-)  # fmt: skip
-RELATIONS_F: tuple[str, ...] = ("sister", "mother", "aunt", "friend", "neighbor", "cousin")
-RELATIONS_M: tuple[str, ...] = ("brother", "father", "uncle", "friend", "neighbor", "cousin")
-TIMES: tuple[str, ...] = (
-    "One day", "In the morning", "Later", "After lunch", "That evening", "The next day",
-    "On Sunday", "Soon", "At night", "After a while", "Before dinner", "Every morning",
-    "In the afternoon", "After school", "On Monday",
-)  # fmt: skip
-PREPOSITIONS: tuple[str, ...] = ("near", "under", "behind", "inside", "next to", "on top of")
-
-# Verbs as (base, third person singular present, past).
-_Verb = tuple[str, str, str]
-MOTION_VERBS: tuple[_Verb, ...] = (
-    ("go", "goes", "went"), ("walk", "walks", "walked"), ("run", "runs", "ran"),
-    ("hurry", "hurries", "hurried"), ("drive", "drives", "drove"),
-    ("travel", "travels", "traveled"), ("come", "comes", "came"),
-)  # fmt: skip
-GIVE_VERBS: tuple[_Verb, ...] = (
-    ("give", "gives", "gave"), ("hand", "hands", "handed"), ("pass", "passes", "passed"),
-    ("bring", "brings", "brought"), ("throw", "throws", "threw"), ("send", "sends", "sent"),
-    ("show", "shows", "showed"), ("sell", "sells", "sold"), ("offer", "offers", "offered"),
-)  # fmt: skip
-OBJECT_VERBS: tuple[_Verb, ...] = (
-    ("find", "finds", "found"), ("take", "takes", "took"), ("buy", "buys", "bought"),
-    ("lose", "loses", "lost"), ("carry", "carries", "carried"), ("clean", "cleans", "cleaned"),
-    ("drop", "drops", "dropped"), ("hold", "holds", "held"), ("paint", "paints", "painted"),
-    ("fix", "fixes", "fixed"), ("open", "opens", "opened"), ("hide", "hides", "hid"),
-    ("keep", "keeps", "kept"), ("want", "wants", "wanted"), ("see", "sees", "saw"),
-    ("like", "likes", "liked"), ("love", "loves", "loved"), ("make", "makes", "made"),
-    ("wash", "washes", "washed"), ("need", "needs", "needed"),
-)  # fmt: skip
-INTRANSITIVE_VERBS: tuple[_Verb, ...] = (
-    ("sleep", "sleeps", "slept"), ("laugh", "laughs", "laughed"), ("smile", "smiles", "smiled"),
-    ("sing", "sings", "sang"), ("wait", "waits", "waited"), ("play", "plays", "played"),
-    ("dance", "dances", "danced"), ("rest", "rests", "rested"), ("cry", "cries", "cried"),
-    ("jump", "jumps", "jumped"), ("sit", "sits", "sat"), ("read", "reads", "read"),
-    ("work", "works", "worked"), ("eat", "eats", "ate"), ("swim", "swims", "swam"),
-)  # fmt: skip
-SAY_VERBS: tuple[_Verb, ...] = (
-    ("say", "says", "said"), ("shout", "shouts", "shouted"),
-    ("whisper", "whispers", "whispered"), ("reply", "replies", "replied"),
-    ("explain", "explains", "explained"),
-)  # fmt: skip
-SOCIAL_VERBS: tuple[_Verb, ...] = (
-    ("help", "helps", "helped"), ("call", "calls", "called"), ("visit", "visits", "visited"),
-    ("hug", "hugs", "hugged"), ("thank", "thanks", "thanked"), ("meet", "meets", "met"),
-    ("follow", "follows", "followed"), ("watch", "watches", "watched"),
-    ("miss", "misses", "missed"), ("tease", "teases", "teased"),
-)  # fmt: skip
-_BE: _Verb = ("are", "is", "was")
-_HAVE: _Verb = ("have", "has", "had")
-_FEEL: _Verb = ("feel", "feels", "felt")
-_WANT: _Verb = ("want", "wants", "wanted")
-
-# Pool for the random spans that reward induction (said once, repeated verbatim later).
-# Deliberately broad (~300 words, including verb forms) so that copying, not the frame, is what
-# predicts the repeat.
-_SPAN_POOL: tuple[str, ...] = tuple(
-    dict.fromkeys(
-        NAMES + OBJECTS + ANIMALS + COLORS + NUMBERS + PLACES + FEELINGS + OBJECT_ADJECTIVES
-        + PLACE_ADJECTIVES + WEATHER + ROLES_F + ROLES_M + ROLES_N
-        + tuple(v[0] for v in MOTION_VERBS + OBJECT_VERBS + INTRANSITIVE_VERBS + SOCIAL_VERBS)
-        + tuple(v[2] for v in OBJECT_VERBS + INTRANSITIVE_VERBS)
-    )
-)  # fmt: skip
-
-_PUNCT = (".", ",", "!", "?")
-_VOWELS = ("a", "e", "i", "o", "u")
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,12 +51,12 @@ _VOWELS = ("a", "e", "i", "o", "u")
 
 
 def _article(word: str) -> str:
-    return "an" if word[0] in _VOWELS and not word.startswith("use") else "a"
+    return "an" if word[0] in VOWELS and not word.startswith("use") else "a"
 
 
 def _plural(noun: str) -> str:
-    if noun in _PLURAL_OVERRIDES:
-        return _PLURAL_OVERRIDES[noun]
+    if noun in PLURAL_OVERRIDES:
+        return PLURAL_OVERRIDES[noun]
     if noun.endswith(("s", "x", "ch", "sh")):
         return noun + "es"
     return noun + "s"
@@ -198,7 +71,7 @@ def _render(tokens: list[str]) -> str:
     words: list[str] = []
     for tok in tokens:
         for part in tok.split(" "):
-            if part in _PUNCT and words:
+            if part in PUNCT and words:
                 words[-1] += part
             else:
                 words.append(part)
@@ -242,7 +115,7 @@ class _Story:
         return self.pick(TIMES)
 
     # --- grammar --------------------------------------------------------------------------
-    def verb(self, v: _Verb, plural: bool = False) -> str:
+    def verb(self, v: Verb, plural: bool = False) -> str:
         if self.past:
             return v[2]
         return v[0] if plural else v[1]
@@ -279,7 +152,7 @@ class _Story:
 
     def add(self, tokens: list[str]) -> None:
         self.sentences.append(_render(tokens))
-        self.n_words += sum(1 for t in tokens for w in t.split(" ") if w not in _PUNCT)
+        self.n_words += sum(1 for t in tokens for w in t.split(" ") if w not in PUNCT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,7 +224,7 @@ def _induction_start(s: _Story) -> None:
     separator, which rewards copying without any surrounding frame.
     """
     n = s.rng.randrange(3, 11)
-    span = [s.pick(_SPAN_POOL) for _ in range(n)]
+    span = [s.pick(SPAN_POOL) for _ in range(n)]
     a = s.person()
     r = s.rng.randrange(5)
     if r == 4:
@@ -370,7 +243,7 @@ def _induction_start(s: _Story) -> None:
         repeat_intro = ["later", ",", s.pick(s.cast), s.verb(("say", "says", "said")),
                         "the magic words", ","]  # fmt: skip
     else:
-        s.add([a, s.verb(_HAVE), "a list", ",", *span, "."])
+        s.add([a, s.verb(HAVE), "a list", ",", *span, "."])
         repeat_intro = [s.pick(s.cast), s.verb(("remember", "remembers", "remembered")),
                         "the list", ","]  # fmt: skip
     # Sometimes an immediate repeat, and always a later one.
@@ -448,7 +321,7 @@ def _feeling(s: _Story) -> None:
     a = s.person()
     r = s.rng.randrange(3)
     if r == 0:
-        s.add([a, s.verb(_FEEL), "very", s.pick(FEELINGS), "because", s.he(a),
+        s.add([a, s.verb(FEEL), "very", s.pick(FEELINGS), "because", s.he(a),
                s.verb(s.pick(OBJECT_VERBS)), s.his(a), s.thing(), "."])  # fmt: skip
     elif r == 1:
         s.add([a, s.be(), s.pick(FEELINGS), "."])
@@ -481,7 +354,7 @@ def _description(s: _Story) -> None:
         s.add(["it", s.be(), _article(w := s.pick(WEATHER)), w, "day", "."])
     elif r == 2:
         n = s.pick(NUMBERS)
-        s.add([s.person(), s.verb(_HAVE), n, _plural(s.pick(OBJECTS + ANIMALS)), "."])
+        s.add([s.person(), s.verb(HAVE), n, _plural(s.pick(OBJECTS + ANIMALS)), "."])
     else:
         animal = s.pick(ANIMALS)
         s.add(["there", s.be(), _article(animal), animal, "at the", s.place(), "."])
