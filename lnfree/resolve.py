@@ -89,6 +89,12 @@ def micro_batches(train: TrainConfig, context: int, world: int) -> tuple[int, in
     return micro, per_process // micro
 
 
+def sigma_momentum_per_step(train: TrainConfig, sequences_per_step: int) -> float:
+    """The momentum of every real norm's σ average over one optimiser step: `sigma_momentum` per
+    `sigma_momentum_sequences` sequences, whatever the step's micro-batches and processes."""
+    return train.sigma_momentum ** (sequences_per_step / train.sigma_momentum_sequences)
+
+
 def learning_rate(step: int, config: RunConfig) -> float:
     """Linear warm-up to the peak, then cosine decay to the minimum over `cosine_steps`."""
     train = config.train

@@ -56,7 +56,9 @@ from lnfree.preparation import (  # noqa: F401 (re-exported)
 from lnfree.records import (  # noqa: F401 (re-exported)
     HeldOut, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, stop_if_diverged,
 )
-from lnfree.resolve import RunError, context_length, learning_rate, micro_batches, resolve_run  # noqa: F401
+from lnfree.resolve import (  # noqa: F401 (re-exported)
+    RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
+)
 from lnfree.runfolder import BOOKKEEPING_FIELDS, prepare_output_dir  # noqa: F401 (re-exported)
 from lnfree.runtime import steady_allocator
 from lnfree.schedule import Event
@@ -213,7 +215,7 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
         logger.info(describe_run(config, model.config, context, micro_batch, world, accelerator.device, precision != "no"))
     batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
     loader = DeviceBatches(batches, accelerator.process_index, accelerator.device)
-    momentum = train.sigma_momentum ** (batches.sequences_per_step / train.sigma_momentum_sequences)
+    momentum = sigma_momentum_per_step(train, batches.sequences_per_step)
     log = RunLog(out / LOG, accelerator, train.report_to)
     if train.report_to:
         accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))

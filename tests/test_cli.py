@@ -7,14 +7,16 @@ import os
 import stat
 import time
 
+import pytest
 import torch
 import typer.main
-from transformers import GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
 
 from lnfree.cli import app
 from lnfree.config import load_preset
+from lnfree.resolve import sigma_momentum_per_step
 from lnfree.train import run
 
 runner = CliRunner()
@@ -85,12 +87,17 @@ def test_every_option_has_help_and_shows_its_default():
     assert checked > 40
 
 
+#: P25 (../shared/DESIGN.md §1) updated σ with momentum 0.9 at each micro-batch of 32 sequences (GPT-2 medium:
+#: 16); for large and XL with 0.9^(micro-batch / 32), i.e. 0.9 per 32 sequences again.
+P25_SEQUENCES_PER_MOMENTUM = {"gpt2": 32, "gpt2-medium": 16, "gpt2-large": 32, "gpt2-xl": 32}
+
+
 def test_gpt2_presets_fine_tune_as_p25_did():
-    for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
-        train = load_preset(name).train
-        assert train.dropout == 0.1, name  # GPT-2's dropout, active in train mode
-        per_micro_batch = {"gpt2-medium": 16}.get(name, 32)  # P25: momentum 0.9 per micro-batch (medium: 16)
-        assert train.sigma_momentum_sequences == per_micro_batch, name
+    for name, sequences in P25_SEQUENCES_PER_MOMENTUM.items():
+        preset = load_preset(name)
+        step = preset.train.tokens_per_step // preset.data.context_length
+        assert sigma_momentum_per_step(preset.train, step) == pytest.approx(0.9 ** (step / sequences)), name
+        assert preset.train.dropout == GPT2Config().resid_pdrop, name  # GPT-2's own dropout, active in train mode
     assert load_preset("tiny").train.dropout == 0.0  # the committed tiny results stay reproducible
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ from lnfree.tiny import (
 )
 
 EOT = "<|endoftext|>"
+REPO = Path(__file__).resolve().parents[1]
+
 # Measured on the bundled model: 1.628 nats on the first 20 HELDOUT_SEED documents (1.658 on 500;
 # log vocab = 6.32).
 HELDOUT_CE_THRESHOLD = 1.75
@@ -220,10 +224,16 @@ def test_bundled_assets_present_and_small():
     assert total < 10 * 2**20
 
 
-def test_bundled_model_config(bundled):
-    model, _ = bundled
-    c = model.config
-    assert (c.n_layer, c.n_embd, c.n_head, c.n_positions) == (4, 128, 4, 128)
+def test_bundled_model_is_the_one_the_training_script_builds(bundled):
+    spec = importlib.util.spec_from_file_location("train_tiny", REPO / "experiments" / "tiny_pretrain" / "train_tiny.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model, tokenizer = bundled
+    built = script.model_config(tokenizer).to_diff_dict()
+    bundled_config = model.config.to_dict()
+    differing = {k: (v, bundled_config.get(k)) for k, v in built.items()
+                 if k not in ("transformers_version", "architectures", "dtype") and bundled_config.get(k) != v}
+    assert differing == {}, f"the bundled config differs from experiments/tiny_pretrain/train_tiny.py: {differing}"
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 

@@ -103,6 +103,24 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
+def model_config(tokenizer) -> GPT2Config:
+    """The bundled tiny model's architecture (`tests/test_tiny.py` checks the bundled config against it)."""
+    eot = tokenizer.eos_token_id
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=CONTEXT,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        tie_word_embeddings=True,
+    )
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -123,21 +141,7 @@ def main() -> None:
         f"held-out tokens {len(heldout_stream):,} ({n_unk_heldout} unknown)"
     )
 
-    eot = tokenizer.eos_token_id
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=CONTEXT,
-        n_embd=128,
-        n_layer=4,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=eot,
-        eos_token_id=eot,
-        tie_word_embeddings=True,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(model_config(tokenizer))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model parameters: {n_params:,}")
