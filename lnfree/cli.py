@@ -314,15 +314,12 @@ def plan(
     fsdp: Annotated[bool, typer.Option("--fsdp", help="Shard weights, gradients and optimiser states (FSDP). (default: DDP)")] = False,
 ) -> None:
     """Predict peak memory per GPU and pick the micro-batch and checkpointing that fit."""
-    from lnfree.arch import architecture
-    from lnfree.plan import config_of, model_shape, plan_run
+    from lnfree.plan import plan_config
 
     with _user_errors():
         cfg = _base_config(preset, config, None)
         memory = float(gpu_memory.upper().removesuffix("GB").strip())
-        model_config = config_of(cfg.model)
-        context = cfg.data.context_length or architecture(model_config).n_positions
-        chosen = plan_run(cfg, model_shape(model_config), context, gpus, memory, autocast=True, sharded=fsdp)
+        chosen = plan_config(cfg, gpus, memory, sharded=fsdp)
     typer.echo(f"{cfg.description or cfg.model}")
     typer.echo(chosen.describe())
     s = chosen.setup

@@ -19,6 +19,7 @@ The result is a plain model with a few dead neurons; nothing else changes, so ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -271,15 +272,27 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
 
 class Captured:
     """Tensors kept by forward hooks during the latest forward pass: `clear()` before a forward,
-    `take()` after it (a gradient-checkpointing recompute during the backward pass adds its tensors
-    again, and the next `clear()` drops them), `remove()` takes the hooks off."""
+    `take()` after it, `remove()` takes the hooks off. Hooks keep tensors while `active`; a user that
+    owns only some forwards (a training loss, not the evaluations between steps) turns it off and
+    wraps its own forwards in `capturing()`."""
 
     def __init__(self):
         self.values: list[torch.Tensor] = []
         self.handles: list = []
+        self.active = True
 
     def clear(self) -> None:
         self.values = []
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Keep what the forwards inside it see, from a clear start (then `take()`), and nothing after."""
+        self.clear()
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
 
     def take(self) -> list[torch.Tensor]:
         """The tensors seen since `clear()`, in forward order."""
@@ -303,8 +316,9 @@ class NormInputs(Captured):
                         for site in arch.sites() if not site.per_head]
 
     def _keep(self, module: nn.Module, args: tuple) -> None:
-        self.values.append(args[0])
-        self.sources.append(module)
+        if self.active:
+            self.values.append(args[0])
+            self.sources.append(module)
 
     def clear(self) -> None:
         super().clear()
@@ -339,8 +353,7 @@ def position0_log_gain(module: nn.Module) -> torch.Tensor:
     while the norm is fixed and position 0 divides by its own (possibly fading) frozen σ; a split
     attention norm gives the larger of its two paths."""
     states = (module.qk, module.v) if isinstance(module, SplitNorm) else (module.state,)
-    gains = [(1 - s.pos0_fade) * (s.sigma.log() - s.sigma_pos0.log()) for s in states
-             if s.is_fixed and s.pos0_on and not s.pos0_real_on]
+    gains = [s.position0_log_gain() for s in states if s.is_fixed and s.pos0_on and not s.pos0_real_on]
     return torch.stack(gains).max() if gains else torch.zeros((), device=states[0].sigma.device)
 
 

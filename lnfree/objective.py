@@ -15,6 +15,7 @@ weight is 0 is not computed, and one that is not configured is not logged.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -78,6 +79,9 @@ class Objective:
         self.norm_inputs = NormInputs(model) if wanted else None
         blocks = [p.from_block for p in pieces(train.position0_mlp)]
         self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
+        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs) if hooks is not None]
+        for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
+            hooks.active = False
 
     def tails_at(self, step: int) -> tuple:
         """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""
@@ -88,11 +92,11 @@ class Objective:
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
         tail, tail0, mlp0 = tails
-        for hooks in (self.norm_inputs, self.mlp_outputs):
-            if hooks is not None:
-                hooks.clear()
-        with self.autocast():
-            output = model(input_ids=ids, labels=ids, use_cache=False)  # no KV cache to build
+        with contextlib.ExitStack() as stack:
+            for hooks in self.captured:
+                stack.enter_context(hooks.capturing())
+            with self.autocast():
+                output = model(input_ids=ids, labels=ids, use_cache=False)  # no KV cache to build
         ce = output.loss
         aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
         kl = torch.zeros_like(ce)
@@ -138,6 +142,5 @@ class Objective:
     def remove(self) -> None:
         """Take the hooks off the model."""
         self.lnf_input.handle.remove()
-        for hooks in (self.norm_inputs, self.mlp_outputs):
-            if hooks is not None:
-                hooks.remove()
+        for hooks in self.captured:
+            hooks.remove()

@@ -240,9 +240,14 @@ def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: 
 
 def plan_preset(name: str, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: bool = False) -> Plan:
     """The plan of preset `name` on `gpus` GPUs of `gpu_memory_gb` (bf16 autocast)."""
-    config = load_preset(name)
+    return plan_config(load_preset(name), gpus, gpu_memory_gb, sharded)
+
+
+def plan_config(config, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: bool = False) -> Plan:
+    """The plan of a run config on `gpus` GPUs of `gpu_memory_gb` (bf16 autocast), its context the
+    config's or the model's."""
     model_config = config_of(config.model)
-    context = config.data.context_length or model_config.max_position_embeddings
+    context = config.data.context_length or architecture(model_config).n_positions
     return plan_run(config, model_shape(model_config), context, gpus, gpu_memory_gb, True, sharded=sharded)
 
 

@@ -49,7 +49,8 @@ class MlpOutputs(Captured):
                         for i in range(from_block, arch.n_layers)]
 
     def _keep(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        self.values.append(out)
+        if self.active:
+            self.values.append(out)
 
 
 def position0_mlp_loss(outputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:

@@ -386,3 +386,26 @@ def test_the_tail_loss_pulls_a_planted_outlier_token_in_while_its_norms_are_fixe
     # 24 Adam steps move each weight by at most ~24 × lr: the planted row can shrink only so far.
     assert outlier(plain) > 3.5  # fine-tuning alone leaves the planted token where it was (4.08 → 3.96)
     assert outlier(tail) < 0.96 * outlier(plain)  # measured 3.68 (0.93×); weight 10: 3.14, at a CE cost
+
+
+def test_the_losss_hooks_keep_only_its_own_forwards_not_the_evaluations_between_steps():
+    import contextlib
+
+    from lnfree.config import TrainConfig
+    from lnfree.objective import Objective
+    from lnfree.position0_mlp import Position0Mlp
+
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    train = TrainConfig(scale_loss_weight=0.1, position0_mlp=Position0Mlp(from_block=1))
+    objective = Objective(model, train, architecture(model), None, 0, contextlib.nullcontext)
+    ids = first_token_ids(model.config.vocab_size)
+    loss, _ = objective(model, ids, objective.tails_at(0))
+    assert torch.isfinite(loss) and objective.norm_inputs.values == [] and objective.mlp_outputs.values == []
+    sources = len(objective.norm_inputs.sources)  # the norms of the loss's forward (read after `take`)
+    with torch.no_grad():  # an evaluation between steps: the loss's hooks keep nothing of it
+        model(input_ids=ids)
+    assert objective.norm_inputs.values == [] and len(objective.norm_inputs.sources) == sources > 0
+    assert objective.mlp_outputs.values == []
+    loss.backward()  # and nothing of a backward either
+    assert objective.norm_inputs.values == []
+    objective.remove()

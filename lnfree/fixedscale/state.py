@@ -332,6 +332,11 @@ class ScaleState(nn.Module):
     def _faded(self, special: torch.Tensor, fade: torch.Tensor) -> torch.Tensor:
         return special * (self.sigma / special) ** fade  # exactly `special` at fade 0
 
+    def position0_log_gain(self) -> torch.Tensor:
+        """log(σ / position 0's frozen divisor), a device scalar: with the divisor `_faded(σ_pos0, f)`,
+        (1 − f)(log σ − log σ_pos0). Meaningful while position 0 divides by its own frozen σ."""
+        return (1 - self.pos0_fade) * (self.sigma.log() - self.sigma_pos0.log())
+
     def normalise(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The norm of `x` with this state's scale (statistics are gathered by the owning module)."""
         if self.is_blending:
