@@ -18,7 +18,6 @@ fade with position 0's MLP output zeroed from block B up (what `train.position0_
 
 from __future__ import annotations
 
-import argparse
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from post_mlp_runaway import held_out, write_results  # noqa: E402
+from post_mlp_runaway import checkpoint_parser, held_out, write_results  # noqa: E402
 
 from lnfree import surgery  # noqa: E402
 from lnfree.arch import architecture  # noqa: E402
@@ -81,10 +80,7 @@ def held_out_ce(model, tokens: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/gemma3-270m/ln_free/pos0_fade"))
-    parser.add_argument("--n-sequences", type=int, default=16)
+    parser = checkpoint_parser(__doc__, n_sequences=16, out=Path("experiments/results/gemma3-270m/ln_free/pos0_fade"))
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS,
                         help="fade fractions to try (from a checkpoint in its fade, a lower one takes that kind back)")
     parser.add_argument("--groups", action="store_true",

@@ -11,7 +11,6 @@ and tables.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from post_mlp_runaway import held_out, write_results  # noqa: E402
+from post_mlp_runaway import checkpoint_parser, held_out, write_results  # noqa: E402
 
 from lnfree import surgery  # noqa: E402
 from lnfree.arch import architecture  # noqa: E402
@@ -36,10 +35,7 @@ def position0_divisor(state, x0_scale: float) -> tuple[float, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--n-sequences", type=int, default=6)
+    parser = checkpoint_parser(__doc__, n_sequences=6)
     args = parser.parse_args()
     model, tokenizer, _, tokens = held_out(args.checkpoint, args.n_sequences)
     states = surgery.scale_states(model)

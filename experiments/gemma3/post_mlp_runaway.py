@@ -69,12 +69,18 @@ def write_rows(out: Path, checkpoint: Path, rows: list[dict], key: str, column: 
     write_results(out, {"checkpoint": str(checkpoint), "rows": rows}, lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def checkpoint_parser(doc: str, n_sequences: int, out: Path | None = None) -> argparse.ArgumentParser:
+    """The arguments every Gemma diagnostic starts from: a checkpoint, `--out` (required unless given a
+    default) and `--n-sequences` of the held-out text."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--n-sequences", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, required=out is None, default=out)
+    parser.add_argument("--n-sequences", type=int, default=n_sequences)
+    return parser
+
+
+def main() -> None:
+    args = checkpoint_parser(__doc__, n_sequences=8).parse_args()
     model, tokenizer, _, tokens = held_out(args.checkpoint, args.n_sequences)
     states = surgery.scale_states(model)
     real = [slot for slot, state in states.items() if slot.endswith("post_mlp") and not state.is_fixed]

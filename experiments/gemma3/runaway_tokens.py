@@ -11,7 +11,6 @@ multiple of the median token's at any block (position 0 aside), with position 0'
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -19,14 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from post_mlp_runaway import held_out, measure, write_rows  # noqa: E402
+from post_mlp_runaway import checkpoint_parser, held_out, measure, write_rows  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--n-sequences", type=int, default=66)
+    parser = checkpoint_parser(__doc__, n_sequences=66)
     parser.add_argument("--batch", type=int, default=6)
     args = parser.parse_args()
     model, tokenizer, _, tokens = held_out(args.checkpoint, args.n_sequences)
