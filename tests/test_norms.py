@@ -188,6 +188,7 @@ def test_a_faded_position0_sigma_moves_geometrically_to_the_general_sigma_and_su
         x, y = captured["x"], captured["y"]
         torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, pos0_sigma))
         torch.testing.assert_close(y[:, 1:], fixed_sigma_ln(x[:, 1:], ln_f.weight, ln_f.bias, 2.0))
+        torch.testing.assert_close(ln_f.state.position0_divisor(), torch.tensor(pos0_sigma))
     assert surgery.removal_state(model)["ln_f"]["pos0_fade"] == 0.25
     reloaded = small_gpt2(n_layer=1)
     surgery.install(reloaded, special_pos0=True)
@@ -227,8 +228,12 @@ def test_position0_at_its_real_scale_is_scale_invariant_there_fades_to_sigma_and
     x, y = captured["x"], captured["y"]
     std = (x[:, 0].var(-1, unbiased=False, keepdim=True) + ln_f.state.eps).sqrt()
     torch.testing.assert_close(y[:, 0], fixed_sigma_ln(x[:, 0], ln_f.weight, ln_f.bias, (std * 2.0).sqrt()))
+    torch.testing.assert_close(ln_f.state.position0_divisor(std), (std * 2.0).sqrt())
+    with pytest.raises(ValueError, match="real_scale"):
+        ln_f.state.position0_divisor()
     surgery.apply_event(model, Event(0, "pos0_special"), 1.0)
     assert not ln_f.state.pos0_real_on
+    assert float(ln_f.state.position0_divisor()) == 2.0
     model(input_ids=tokens)
     torch.testing.assert_close(captured["y"], fixed_sigma_ln(captured["x"], ln_f.weight, ln_f.bias, 2.0))
 

@@ -26,11 +26,10 @@ from lnfree.arch import architecture  # noqa: E402
 
 def position0_divisor(state, x0_scale: float) -> tuple[float, str]:
     """The divisor position 0 uses at this state, a partial fade included, and its name."""
+    divisor = float(state.position0_divisor(torch.tensor(x0_scale)))
     if not state.pos0_on:
-        return float(state.sigma), "σ"
-    special, name = (x0_scale, "real") if state.pos0_real_on else (float(state.sigma_pos0), "σ_pos0")
-    fade = float(state.pos0_fade)
-    divisor = special * (float(state.sigma) / special) ** fade
+        return divisor, "σ"
+    name, fade = ("real" if state.pos0_real_on else "σ_pos0"), float(state.pos0_fade)
     return divisor, name if fade == 0 else f"{name} faded {fade:.0%}"
 
 

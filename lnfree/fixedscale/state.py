@@ -321,9 +321,20 @@ class ScaleState(nn.Module):
         if self.eot_on:
             sigma = torch.where(eot, self._faded(self.sigma_eot, self.eot_fade), sigma)
         if self.pos0_on:
-            special = self._real_scale(x).squeeze(-1) if self.pos0_real_on else self.sigma_pos0
-            sigma = torch.where(pos0, self._faded(special, self.pos0_fade), sigma)
+            real = self._real_scale(x).squeeze(-1) if self.pos0_real_on else None
+            sigma = torch.where(pos0, self.position0_divisor(real), sigma)
         return sigma.unsqueeze(-1)
+
+    def position0_divisor(self, real_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """What position 0 divides by: σ when no position-0 σ is on; else its frozen σ_pos0, or
+        `real_scale` (its tokens' own scale, needed under `use_real_pos0`), faded toward σ."""
+        if not self.pos0_on:
+            return self.sigma
+        if not self.pos0_real_on:
+            return self._faded(self.sigma_pos0, self.pos0_fade)
+        if real_scale is None:
+            raise ValueError("position 0 divides by its own scale here (use_real_pos0): pass real_scale")
+        return self._faded(real_scale, self.pos0_fade)
 
     def _real_scale(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's real scale (fp32, gradient included), shape (..., 1)."""
