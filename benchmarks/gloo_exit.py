@@ -45,7 +45,7 @@ def one_run(config_file: Path, result_file: Path, folder: Path) -> tuple[int, bo
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
          str(config_file), str(result_file), "--natural-exit"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=folder, preexec_fn=_allow_cores,
+        env=env, capture_output=True, text=True, timeout=900, cwd=folder, preexec_fn=_allow_cores, check=False,
     )
     aborted = "terminate called" in proc.stderr or "SIGABRT" in proc.stderr or "exitcode  : -6" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "Error" in line]
@@ -66,7 +66,7 @@ def keep_abort(run: int, stderr: str, folder: Path, aborts: Path) -> list[str]:
     for n, core in enumerate(sorted(folder.glob("core*"))):
         if shutil.which("gdb"):
             trace = subprocess.run(["gdb", "-batch", "-ex", "thread apply all bt", sys.executable, str(core)],
-                                   capture_output=True, text=True, timeout=600)
+                                   capture_output=True, text=True, timeout=600, check=False)
             written.append(aborts / f"run{run}.core{n}.backtrace.txt")
             written[-1].write_text(trace.stdout + trace.stderr)
         core.unlink()
