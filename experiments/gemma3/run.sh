@@ -9,7 +9,8 @@
 #               and a summary whose vanilla numbers are pending (when the control cannot run yet)
 #
 # Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
-# (run the same command again, in this or a later session). Runs (weights) go to runs/gemma3-270m/ (not
+# (run the same command again, in this or a later session), and a finished one whose config's train.max_steps
+# has since grown continues to the new end (lnfree.amend). Runs (weights) go to runs/gemma3-270m/ (not
 # committed); tables, figures and summaries to experiments/results/gemma3-270m/<stage>/, and summary.json
 # there is written by experiments/smollm2/summary.py from the runs' own outputs.
 set -euo pipefail
@@ -29,12 +30,21 @@ if [[ $stage == original ]]; then
   exec "$EXPERIMENTS_DIR/modern/original.sh" $([[ $DRY_RUN == 1 ]] && echo --dry-run) gemma3-270m
 fi
 
+run_finished() {  # run_finished DIR: its summary.json reached the config's train.max_steps (a longer plan resumes it)
+  (cd "$REPO_ROOT" && "$(python_bin)" - "$1/summary.json" experiments/gemma3/ln_free.toml <<'PY'
+import json, sys, tomllib
+steps = json.load(open(sys.argv[1]))["steps"]
+sys.exit(0 if steps >= tomllib.load(open(sys.argv[2], "rb"))["train"]["max_steps"] else 1)
+PY
+  )
+}
+
 removal_run() {  # removal_run DIR EXTRA_ARGS...
   local dir=$1
   shift
   local resume=()
-  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
-    echo "$dir is finished (summary.json); delete it to run again"
+  if [[ -f $REPO_ROOT/$dir/summary.json ]] && run_finished "$dir"; then
+    echo "$dir is finished (summary.json at the config's train.max_steps); delete it to run again"
     return 0
   elif [[ -f $REPO_ROOT/$dir/run_config.json ]]; then
     resume=(--resume)
