@@ -135,7 +135,7 @@ def remove(
     """Fine-tune a model while removing its norms one by one, then export it LN-free."""
     from lnfree.config import with_overrides
     from lnfree.sources import check_model_source
-    from lnfree.train import close_distributed
+    from lnfree.launch import close_distributed, exit_without_teardown
 
     _show_messages()
     with _user_errors():
@@ -155,13 +155,16 @@ def remove(
         cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
     run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
     started = time.perf_counter()
+    finished = False
     try:
         with _sigterm_as_interrupt():
             _remove_and_report(cfg, resume, overwrite, run_control, started)
+        finished = True
     except KeyboardInterrupt:
         _interrupted(Path(cfg.output_dir))
     finally:
-        close_distributed()
+        if close_distributed() and finished:
+            exit_without_teardown(0)
 
 
 @contextlib.contextmanager

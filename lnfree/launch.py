@@ -1,7 +1,8 @@
 """The processes a run trains in: accelerate's `Accelerator` (one process, or several under
 ``torchrun`` / ``accelerate launch``: DDP, or FSDP through an accelerate config; gloo on CPU-only
 hosts), the process group's teardown at exit (`close_distributed`), and what the libraries print
-silenced while a command runs (`quiet_libraries`).
+silenced while a command runs (`quiet_libraries`), and the end of a distributed command's processes
+(`exit_without_teardown`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
+import sys
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -29,22 +33,41 @@ def make_accelerator(config: RunConfig) -> Accelerator:
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     if accelerator.num_processes > 1:  # whoever called run() (the CLI, a script under torchrun): tear gloo down at exit
-        atexit.register(close_distributed)  # still ~1 abort in 10 under load: benchmarks/results/gloo_exit.txt
+        atexit.register(close_distributed)
     return accelerator
 
 
-def close_distributed() -> None:
-    """Tear down the process group torchrun / accelerate started, after the last collective.
+def close_distributed() -> bool:
+    """Tear down the process group torchrun / accelerate started, after the last collective; whether
+    there was one to tear down.
 
-    Without it a gloo worker can abort at interpreter exit ("terminate called without an active
-    exception", exit code -6) after a run that finished correctly: gloo's worker threads still hold
-    work objects whose tensors are freed while the interpreter is torn down (the cause named in
-    pytorch/pytorch#179291, which proposed the same remedy in torch). Local to each process; `run`
-    registers it to run at exit in every distributed process, so scripts need not call it. It does
-    not remove every abort: `benchmarks/gloo_exit.py` still saw one in ten runs under load.
+    Local to each process; `run` registers it to run at exit in every distributed process, so scripts
+    need not call it. It does not stop gloo's worker threads: DistributedDataParallel keeps the group's
+    C++ object alive after `destroy_process_group` and garbage collection (measured on torch 2.13), so
+    the threads live into interpreter teardown, where one that drops a finished collective's tensors
+    aborts the process (`exit_without_teardown`).
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        return True
+    return False
+
+
+def exit_without_teardown(code: int = 0) -> NoReturn:
+    """End this process now, after flushing what it wrote, without the interpreter's teardown.
+
+    For a distributed command that has written everything. gloo's worker threads outlive the
+    interpreter (`close_distributed`); when one drops a finished collective's Python-owned tensor
+    during teardown it must take the GIL, the finalising interpreter ends the thread inside a C++
+    destructor, and the process aborts ("terminate called without an active exception", exit -6: about
+    one two-process run in thirty on a loaded CPU, the backtrace in
+    benchmarks/results/gloo_exit_aborts/; pytorch/pytorch#190489). Skipping teardown removes the window.
+    Trackers are ended by the run itself; logging is shut down here.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

@@ -2,12 +2,11 @@
 
     torchrun --nproc_per_node=2 tests/dist_worker.py CONFIG.json RESULT.json [--natural-exit]
 
---natural-exit ends the script as a user's would (no explicit teardown, no `os._exit`):
+--natural-exit ends the script as a user's would (no explicit teardown, no `exit_without_teardown`):
 benchmarks/gloo_exit.py counts how often that aborts.
 """
 
 import json
-import os
 import sys
 
 import torch
@@ -15,7 +14,8 @@ import torch.distributed as dist
 
 from lnfree import surgery
 from lnfree.config import RunConfig
-from lnfree.train import close_distributed, run
+from lnfree.launch import close_distributed, exit_without_teardown
+from lnfree.train import run
 
 config = RunConfig.model_validate_json(open(sys.argv[1]).read())
 result = run(config, progress=False)
@@ -33,8 +33,4 @@ if dist.get_rank() == 0:
                    "events": events, "held_out_ce_end": result.held_out_ce_end}, f)
 if "--natural-exit" not in sys.argv[3:]:
     close_distributed()
-    # Skip interpreter teardown: on a loaded CPU machine a gloo worker sometimes aborted there ("terminate
-    # called without an active exception", exit -6) after every result above had been written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)  # as `lnfree remove` ends a distributed run

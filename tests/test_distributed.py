@@ -43,6 +43,25 @@ def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every
     assert all(all(flag == 1.0 for flag in rank) for rank in result["fixed"])
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_two_process_remove_command_never_tears_down_with_gloo_threads_alive(run_config, tmp_path):
+    config_file = tmp_path / "cli.json"
+    config_file.write_text(run_config(max_steps=14, micro_batch_size=4).model_dump_json())
+    out, reports = tmp_path / "cli-run", tmp_path / "teardown"
+    reports.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(Path(__file__).with_name("dist_cli.py")), str(reports), "remove", "--config", str(config_file),
+         "-o", str(out), "--no-control"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-20000:]
+    assert (out / "summary.json").is_file() and (out / "export" / "config.json").is_file()
+    # A process that reaches teardown with gloo's worker threads alive can abort there (exit -6).
+    alive = {f.name: json.loads(f.read_text())["gloo_threads"] for f in reports.iterdir()}
+    assert all(not threads for threads in alive.values()), alive
+
+
 def run_two_processes(config, tmp_path) -> dict:
     """Run `config` on two gloo processes; what `dist_worker.py` gathered from both ranks."""
     config_file = tmp_path / "dist.json"
