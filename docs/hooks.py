@@ -8,12 +8,18 @@ keep working and are checked like every other link under `mkdocs build --strict`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
+# The notebooks executed at build time (mkdocs.yml) show their plotly figures as HTML with plotly.js
+# inlined once per page, offline (a kernel without a front end would only emit plotly's own MIME type,
+# which the site cannot draw); the kernel inherits this environment. No require.js on the page: with it,
+# plotly.js would register as an AMD module instead of `window.Plotly`, which the figures call.
+os.environ.setdefault("PLOTLY_RENDERER", "notebook")
 #: Repository folders mounted into the site, and the files of theirs that are left out.
 MOUNTED = ("experiments", "benchmarks/results", "notebooks")
 SKIPPED_SUFFIXES = {".pyc", ".py", ".sh", ".toml"}

@@ -92,6 +92,6 @@ run_analysis() {
     value=$(toml_get "$config" "$key")
     [[ -n $value ]] && args+=("--${key//_/-}" "$value")
   done
-  args+=(--out "$out")
+  args+=(--out "$out" --overwrite)  # a rerun replaces the analysis there (run() records command.txt beside it)
   run "$out" "${args[@]}"
 }

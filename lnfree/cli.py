@@ -12,27 +12,14 @@ from typing import Annotated, Optional
 import typer
 
 from lnfree.analysis.cli import analyze
+from lnfree.cli_stress import stress
+from lnfree.cli_common import MODEL_NAMES_HELP, base_config, fail, user_errors
 from lnfree.layout import CONTROL, RUN_CONFIG, SUMMARY
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Remove LayerNorm/RMSNorm from pretrained language models (GPT-2, Llama, Mistral, Qwen2, Qwen3, GPT-NeoX/Pythia, Gemma 3, OLMo 2) by fine-tuning.")
 
-PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: chosen from --model)")
+PRESET_OPT = typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: tiny)")
 CONFIG_OPT = typer.Option("--config", "-c", help="A TOML or JSON run config, instead of a preset. (default: none)")
-
-
-def _fail(message: str) -> None:
-    one_line = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
-    typer.secho(f"error: {one_line}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-@contextlib.contextmanager
-def _user_errors():
-    """Errors a user can cause (paths, configs, runs) as one `error:` line; anything else is a bug."""
-    try:
-        yield
-    except (ValueError, OSError) as err:
-        _fail(str(err))
 
 
 class _MessageLines(logging.Handler):
@@ -47,48 +34,6 @@ def _show_messages() -> None:
     logger.handlers = [h for h in logger.handlers if not isinstance(h, _MessageLines)] + [_MessageLines()]
     logger.setLevel(logging.INFO)
     logger.propagate = False
-
-
-def _base_config(preset: str | None, config_file: Path | None, model: str | None):
-    from lnfree.config import load_config, load_preset, preset_names
-
-    if preset and config_file:
-        _fail("give either --preset or --config, not both")
-    if config_file:
-        return load_config(config_file)
-    if preset:
-        return load_preset(preset)
-    if model is None or model == "tiny":
-        return load_preset("tiny")
-    for name in preset_names():
-        candidate = load_preset(name)
-        if model in (name, candidate.model):
-            return candidate
-    # Any other model: lnfree's default strategy with GPT-2 small's hyperparameters (gpt2-distill);
-    # context, schedule and length from the model, the model's own dropout (as P25 kept GPT-2's), a
-    # micro-batch that fits the step.
-    generic = load_preset("gpt2-distill")
-    return generic.model_copy(update={
-        "data": generic.data.model_copy(update={"context_length": None}),
-        "removal": generic.removal.model_copy(update={"schedule": None}),
-        "train": generic.train.model_copy(update={
-            "max_steps": None, "dropout": None, "micro_batch_size": None,
-            "max_micro_batch_size": generic.train.micro_batch_size,
-        }),
-        "output_dir": f"runs/{Path(model).name}",
-    })
-
-
-def _adapt_micro_batch(cfg, named: dict, overrides: list[str]):
-    """A preset's micro-batch becomes an upper bound when the user changed the step but not the micro-batch."""
-    keys = {k for k, v in named.items() if v is not None} | {item.partition("=")[0].strip() for item in overrides}
-    if "train.micro_batch_size" in keys or not keys & {"train.tokens_per_step", "data.context_length"}:
-        return cfg
-    if cfg.train.micro_batch_size is None:
-        return cfg
-    from lnfree.config import with_overrides
-
-    return with_overrides(cfg, {"train.micro_batch_size": None, "train.max_micro_batch_size": cfg.train.micro_batch_size})
 
 
 def _removal_lines(events: list[dict]) -> list[str]:
@@ -116,16 +61,16 @@ def _summary_lines(summary: dict) -> list[str]:
 
 @app.command()
 def remove(
-    model: Annotated[Optional[str], typer.Option(help="Local folder, Hub id or name ('tiny', 'realtext', 'smollm2-135m') of a supported model. (default: the bundled tiny model)")] = None,
-    data: Annotated[Optional[str], typer.Option(help="'tiny', 'realtext', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
-    preset: Annotated[Optional[str], PRESET_OPT] = None,
+    model: Annotated[Optional[str], typer.Option(help=f"Local folder, Hub id or name ({MODEL_NAMES_HELP}) of a supported model. (default: the bundled tiny model)")] = None,
+    data: Annotated[Optional[str], typer.Option("--dataset", "--data", help="Training text: 'tiny', 'realtext', a Hub dataset id, or a local file/folder. (default: the preset's)")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="A shipped preset (see `lnfree presets`). (default: the preset of --model, else distillation with GPT-2 small's settings; tiny without --model)")] = None,
     config: Annotated[Optional[Path], CONFIG_OPT] = None,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder. (default: the preset's, runs/NAME)")] = None,
     mode: Annotated[Optional[str], typer.Option(help="'remove' or 'vanilla' (the control: no LN removed). (default: remove)")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Optimiser steps. (default: the preset's, else 3 × the last removal)")] = None,
     tokens_per_step: Annotated[Optional[int], typer.Option(help="Tokens per optimiser step. (default: the preset's, 2^19 for GPT-2)")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Sequences per device per forward. (default: the preset's; the largest that fits the step if --tokens-per-step is given)")] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate. (default: the preset's)")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate; a value below the preset's floor (train.min_learning_rate) lowers the floor to it. (default: the preset's)")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the data order and initialisation. (default: the preset's)")] = None,
     control: Annotated[Optional[bool], typer.Option("--control/--no-control", help="Also run the vanilla control. (default: on for the tiny model)")] = None,
     override: Annotated[Optional[list[str]], typer.Option("--set", help="Any config field, e.g. --set train.aux_loss_weight=0.03 (repeatable). (default: none)")] = None,
@@ -133,26 +78,21 @@ def remove(
     overwrite: Annotated[bool, typer.Option(help="Replace a run already in --output-dir (files it wrote only).")] = False,
 ) -> None:
     """Fine-tune a model while removing its norms one by one, then export it LN-free."""
-    from lnfree.config import with_overrides
+    from lnfree.cli_common import remove_config
     from lnfree.sources import check_model_source
     from lnfree.launch import close_distributed, exit_without_teardown
 
     _show_messages()
-    with _user_errors():
-        cfg = _base_config(preset, config, model)
+    with user_errors():
         named = {
             "model": model, "data.source": data, "output_dir": output_dir, "removal.mode": mode,
             "train.max_steps": max_steps, "train.tokens_per_step": tokens_per_step,
             "train.micro_batch_size": micro_batch_size, "train.learning_rate": lr, "train.seed": seed,
         }
-        cfg = with_overrides(cfg, {k: v for k, v in named.items() if v is not None})
-        cfg = with_overrides(cfg, override or [])
-        cfg = _adapt_micro_batch(cfg, named, override or [])
+        cfg = remove_config(base_config(preset, config, model), named, override or [])
         check_model_source(cfg.model)
     if resume and not (Path(cfg.output_dir) / RUN_CONFIG).is_file():
-        _fail(f"nothing to resume in {cfg.output_dir}: it holds no lnfree run (drop --resume to start one)")
-    if lr is not None and cfg.train.min_learning_rate > lr:
-        cfg = with_overrides(cfg, {"train.min_learning_rate": lr})
+        fail(f"nothing to resume in {cfg.output_dir}: it holds no lnfree run (drop --resume to start one)")
     run_control = control if control is not None else (cfg.model == "tiny" and cfg.removal.mode == "remove")
     started = time.perf_counter()
     finished = False
@@ -207,10 +147,10 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
     """The removal (and control) runs, the export and the summary of `lnfree remove`."""
     from lnfree.config import with_overrides
     from lnfree import surgery
-    from lnfree.export import export_run
+    from lnfree.export import RunawayError, export_run
     from lnfree.train import quiet_libraries, run
 
-    with _user_errors(), quiet_libraries():
+    with user_errors(), quiet_libraries():
         result = run(cfg, resume=resume, overwrite=overwrite)
         control_result = None
         if run_control:
@@ -244,7 +184,10 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
             summary["control_dir"] = str(control_result.output_dir)
         if cfg.removal.mode == "remove":
             if surgery.is_fully_removed(result.model):
-                summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
+                try:
+                    summary["export"] = str(export_run(result, held_out_ce=summary["held_out_ce"]))
+                except RunawayError as err:  # the run stands; the summary says why it has no export
+                    summary["export_refused"] = f"{err} (lnfree export {out} OUT --allow-runaway)"
             else:  # a plain model has one eps for every norm: only the run's checkpoints hold a partial removal
                 states = surgery.scale_states(result.model).values()
                 fixed = sum(s.is_fixed for s in states)
@@ -256,6 +199,8 @@ def _remove_and_report(cfg, resume: bool, overwrite: bool, run_control: bool, st
         (out / SUMMARY).write_text(json.dumps(summary, indent=1))
     typer.echo("\n".join(_summary_lines(summary)))
     typer.echo(f"summary: {out / 'summary.json'} (this invocation: {time.perf_counter() - started:.1f} s)")
+    if "export_refused" in summary:
+        fail(f"no export: {summary['export_refused']}")
 
 
 @app.command()
@@ -271,16 +216,16 @@ def schedule(
     from lnfree.schedule import PER_LAYER_KINDS
     from lnfree.train import resolve_run
 
-    with _user_errors():
-        cfg = _base_config(preset, config, None)
+    with user_errors():
+        cfg = base_config(preset, config, None)
     stages = PER_LAYER_KINDS[:3]
     if n_layer is None:
         try:  # the presets' GPT-2 sizes are known offline (as for `lnfree plan`)
             arch = architecture(config_of(cfg.model))
         except (ValueError, OSError) as err:
-            _fail(f"{err} (pass --n-layer)")
+            fail(f"{err} (pass --n-layer)")
         n_layer, stages = arch.n_layers, arch.stages
-    with _user_errors():
+    with user_errors():
         cfg, timeline = resolve_run(cfg, n_layer, stages)
     typer.echo(f"{cfg.description or cfg.model} — {n_layer} blocks, {cfg.train.max_steps} steps")
     if events:
@@ -319,8 +264,8 @@ def plan(
     """Predict peak memory per GPU and pick the micro-batch and checkpointing that fit."""
     from lnfree.plan import plan_config
 
-    with _user_errors():
-        cfg = _base_config(preset, config, None)
+    with user_errors():
+        cfg = base_config(preset, config, None)
         memory = float(gpu_memory.upper().removesuffix("GB").strip())
         chosen = plan_config(cfg, gpus, memory, sharded=fsdp)
     typer.echo(f"{cfg.description or cfg.model}")
@@ -335,6 +280,7 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(help="A run folder (its latest checkpoint) or a checkpoints/step_N folder.")],
     out: Annotated[Path, typer.Argument(help="Folder to write the eps-trick model to.")],
     allow_partial: Annotated[bool, typer.Option(help="Export even if some norms are still real.")] = False,
+    allow_runaway: Annotated[bool, typer.Option(help="Export even if the model overflows on some probe rows (rare, repeated or special tokens).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
     """Export a training checkpoint as a plain transformers model in the eps-trick format."""
@@ -343,17 +289,18 @@ def export(
     from lnfree.train import quiet_libraries
 
     if not checkpoint.exists():
-        _fail(f"no such folder: {checkpoint}")
+        fail(f"no such folder: {checkpoint}")
     if (checkpoint / RUN_CONFIG).exists():
-        checkpoint = latest_checkpoint(checkpoint) or _fail(f"no complete checkpoint in {checkpoint}")
+        checkpoint = latest_checkpoint(checkpoint) or fail(f"no complete checkpoint in {checkpoint}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        _fail(f"{out} already exists and is not empty; pass --overwrite to replace it")
-    with _user_errors(), quiet_libraries():
+        fail(f"{out} already exists and is not empty; pass --overwrite to replace it")
+    with user_errors(), quiet_libraries():
         model, tokenizer, cfg = load_checkpoint(checkpoint)
         if cfg.removal.mode != "remove":
-            _fail(f"{checkpoint} is a vanilla-control run: it has no removed norms to export")
+            fail(f"{checkpoint} is a vanilla-control run: it has no removed norms to export")
         record = {"run_config": json.loads(cfg.model_dump_json()), "checkpoint": str(checkpoint)}
-        write_export(model, tokenizer, out, record, allow_partial=allow_partial, overwrite=overwrite)
+        write_export(model, tokenizer, out, record, allow_partial=allow_partial, overwrite=overwrite,
+                     allow_runaway=allow_runaway)
     typer.echo(f"exported {checkpoint} → {out}")
 
 
@@ -361,26 +308,21 @@ def export(
 def verify(
     source: Annotated[str, typer.Argument(help="An export, a run or checkpoint folder, or any supported model's folder / Hub id.")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the report as JSON to this file. (default: none)")] = None,
-    tolerance: Annotated[float, typer.Option(help="Largest |Δlogit| / max(1, |logit|) accepted (fp32 rounds "
-                                                  "relative to a logit's size).")] = 1e-4,
+    tolerance: Annotated[float, typer.Option(help="Largest |Δlogit| / max(1, the token's largest |logit|) accepted "
+                                                  "(fp32 rounds relative to the logits' size).")] = 1e-4,
     seed: Annotated[int, typer.Option(help="Seed of the probe's random tokens.")] = 0,
 ) -> None:
     """Compare every representation of a checkpoint with lnfree's exact form; exit 1 beyond tolerance."""
     from lnfree.train import quiet_libraries
     from lnfree.verify import verify as run_verify, write_report
 
-    with _user_errors(), quiet_libraries():
+    with user_errors(), quiet_libraries():
         report = run_verify(source, tolerance=tolerance, seed=seed)
         if out is not None:
             write_report(report, out)
     typer.echo(report["repr"])
     for name, check in report["checks"].items():
-        value = "n/a" if check["max_abs_diff"] is None else f"{check['max_abs_diff']:.2e}"
-        worst = check.get("worst_token")
-        where = "" if worst is None else (
-            f"; worst token {check['worst_token_relative_error']:.1e} relative, row {worst['row']} position "
-            f"{worst['position']} ({worst.get('text', worst['token_id'])!r})")
-        typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: max |Δ| {value}{where}  {check['note']}")
+        typer.echo(f"  {'ok  ' if check['ok'] else 'FAIL'} {name:>30}: {_check_line(check, tolerance)}")
     fingerprint = report["fingerprint"]
     status = "FAIL" if not fingerprint["ok"] else ("ok  " if fingerprint["checked"] else "note")
     typer.echo(f"  {status} {'export fingerprint':>30}: {fingerprint['note']}")
@@ -388,6 +330,19 @@ def verify(
         typer.echo(f"report: {out}")
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def _check_line(check: dict, tolerance: float) -> str:
+    """One `lnfree verify` check: the value compared with the tolerance first, then the worst token."""
+    if check["max_abs_diff"] is None:
+        return f"n/a  {check['note']}".rstrip()
+    compared = (f"max |Δ| / logit scale {check['max_scaled_diff']:.2e} (tolerance {tolerance:.0e}; "
+                f"max |Δ| {check['max_abs_diff']:.2e})")
+    worst = check.get("worst_token")
+    where = "" if worst is None else (
+        f"; worst token {check['worst_token_relative_error']:.1e} relative, row {worst['row']} position "
+        f"{worst['position']} ({worst.get('text', worst['token_id'])!r})")
+    return f"{compared}{where}  {check['note']}".rstrip()
 
 
 @app.command()
@@ -408,7 +363,7 @@ def push(
         where = run_push(export_dir, repo_id, private=private, revision=revision, dry_run=dry_run,
                          dry_run_dir=dry_run_dir, force=force, eval_reports=eval_report or [])
     except (ValueError, OSError) as err:
-        _fail(str(err))
+        fail(str(err))
     typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")
 
 
@@ -437,12 +392,13 @@ class _LabelsCommand(typer.core.TyperCommand):
 
 @app.command("eval", cls=_LabelsCommand)
 def eval_(
-    models: Annotated[list[str], typer.Argument(help="Models: 'tiny', 'realtext', 'smollm2-135m', run/checkpoint/export folders, model folders or Hub ids.")],
+    models: Annotated[list[str], typer.Argument(help=f"Models: a name ({MODEL_NAMES_HELP}), run/checkpoint/export folders, model folders or Hub ids.")],
     dataset: Annotated[str, typer.Option("--dataset", "-d", help="tiny, realtext, owt-val, pile, pile-filtered, a Hub dataset id or a local file/folder.")] = "tiny",
     labels: Annotated[Optional[list[str]], typer.Option("--labels", "-l", help="One label per model, space- or comma-separated, after the models. (default: from the model names)")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/eval"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder: new or empty, else --overwrite.")] = Path("runs/eval"),
+    overwrite: Annotated[bool, typer.Option(help="Write into a --out that holds files: an earlier evaluation there is replaced, nothing else.")] = False,
     n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences. (default: the dataset preset's)", min=1)] = None,
-    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence. (default: the preset's, else the models' n_positions)", min=2)] = None,
+    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence. (default: the preset's, else the models' longest context up to 1024)", min=2)] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.", min=1)] = 8,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, …")] = "auto",
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (eps-trick files overflow fp16).")] = "fp32",
@@ -452,7 +408,8 @@ def eval_(
     reference: Annotated[Optional[str], typer.Option(help="Label to compute Δ against. (default: 'vanilla', else the best model)")] = None,
     pairwise: Annotated[Optional[bool], typer.Option("--pairwise/--no-pairwise", help="JSD and paired ΔCE between models. (default: when they share a tokenizer)")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap CIs.")] = 0,
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples (over sequences).", min=1)] = 1000,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples (over blocks of neighbouring sequences).", min=1)] = 1000,
+    bootstrap_block: Annotated[Optional[int], typer.Option(help="Neighbouring sequences resampled together. (default: round(√N))", min=1)] = None,
     split: Annotated[Optional[str], typer.Option(help="Dataset split (Hub ids, save_to_disk folders). (default: the preset's, else train)")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Dataset revision (Hub ids). (default: the preset's, else the latest)")] = None,
     text_field: Annotated[str, typer.Option(help="Text column of a dataset without input_ids.")] = "text",
@@ -462,28 +419,32 @@ def eval_(
     hellaswag_limit: Annotated[Optional[int], typer.Option(help="Only the first N HellaSwag items. (default: all)")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")] = True,
 ) -> None:
-    """Per-token cross-entropy of one or more models on identical tokens, compared (see README: Evaluation)."""
+    """Per-token cross-entropy of one or more models on identical tokens, compared (docs/how-to/evaluate.md)."""
     from lnfree.evaluate import EvalError, evaluate, markdown, write_report
+    from lnfree.evaluate.output import check_output_folder
+    from lnfree.results import model_labels
     from lnfree.train import quiet_libraries
 
     names = [x.strip() for item in labels or [] for x in item.split(",") if x.strip()] or None
     try:
+        check_output_folder(out, model_labels(models, names), overwrite=overwrite, save_tokens=save_tokens)
         with quiet_libraries():
             report = evaluate(
                 models, dataset, labels=names, form=form, dtype=dtype, device=device, batch_size=batch_size,
                 n_sequences=n_sequences, context=context, split=split, revision=revision, text_field=text_field,
                 cache_dir=cache_dir, progress=progress, benchmarks=["hellaswag"] if hellaswag else [],
                 benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
-                pairwise=pairwise, seed=seed, n_resamples=bootstrap,
+                pairwise=pairwise, seed=seed, n_resamples=bootstrap, bootstrap_block=bootstrap_block,
             )
     except (EvalError, ValueError, OSError) as err:
-        _fail(str(err))
-    write_report(report, out, save_tokens=save_tokens)
+        fail(str(err))
+    write_report(report, out, save_tokens=save_tokens, overwrite=overwrite)
     typer.echo(markdown(report))
     typer.echo(f"written to {out}/ (comparison.md, summary.json, one JSON + CSV per model)")
 
 
 app.command("analyze", cls=_LabelsCommand)(analyze)
+app.command("stress", cls=_LabelsCommand)(stress)
 
 
 @app.command()

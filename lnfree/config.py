@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lnfree.ceiling import ScaleCeiling
+from lnfree.coverage import Coverage
 from lnfree.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
 from lnfree.position0_mlp import Position0Mlp
 from lnfree.schedule import Adaptive, Schedule
@@ -89,6 +90,10 @@ class TrainConfig(_Strict):
         None, description="pull what position 0's own MLPs write towards zero, so that its σ can fade at the "
         "MLP-input norms without its MLPs running away (lnfree.position0_mlp)"
     )
+    coverage: Coverage | None = Field(
+        None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
+        "teacher and within the text's typical scale at every norm input (lnfree.coverage); None is off"
+    )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
         "student) per token; 0 is off"
@@ -96,6 +101,11 @@ class TrainConfig(_Strict):
     distill_temperature: float = Field(1.0, gt=0, description="softmax temperature T of the distillation term")
     teacher_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="the frozen teacher's weights (auto: bf16 on a bf16-capable GPU, else fp32)"
+    )
+    chunked_vocab_loss: int | None = Field(
+        None, ge=1, description="tokens per chunk of a fused CE + distillation KL computed straight from the final "
+        "hidden states and the head, its gradient taken in the same pass (lnfree.vocab_loss): no logits tensor of "
+        "the whole micro-batch, the same loss; None: the plain loss on the model's logits"
     )
     sigma_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum per `sigma_momentum_sequences`")
     sigma_momentum_sequences: int = Field(32, ge=1)
@@ -106,6 +116,10 @@ class TrainConfig(_Strict):
     )
     seed: int = 0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    auto_cpu_bf16: bool = Field(
+        False, description="let mixed_precision and teacher_dtype 'auto' choose bf16 on a CPU with native bf16 "
+        "(avx512_bf16 or AMX, lnfree.precision) too; off until bf16 is shown to remove as well as fp32"
+    )
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
     steady_allocator: bool = Field(

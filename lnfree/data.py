@@ -3,7 +3,8 @@
 Sources (``DataConfig.source``):
 - ``tiny``: the synthetic corpus of the bundled tiny model (held-out text from its own seed);
 - ``realtext``: Django's documentation, the corpus of the bundled realtext model, with that model's
-  own train/held-out document split (``lnfree.realtext``; fetched with pip on first use);
+  own train/held-out document split (``lnfree.realtext``; fetched with pip on first use); a run
+  evaluates on the validation half of the held-out documents, the test half is for `lnfree eval`;
 - a local ``.txt`` file (one document, or several split at ``document_separator``), a folder of
   ``.txt`` files (one document each), a ``.jsonl`` file (one document per line, in ``text_field``), a ``.parquet``
   file, or a folder written by ``datasets.Dataset.save_to_disk``;
@@ -35,7 +36,7 @@ from lnfree.config import DataConfig
 from lnfree.realtext import CorpusError, train_and_heldout
 from lnfree.tiny import FINETUNE_SEED, HELDOUT_SEED, generate_documents
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: realtext's held-out documents halved into validation and test
 #: Fewer tokens per EOT than this on average is warned about (documents split too finely?).
 FREQUENT_EOT = 100
 
@@ -57,9 +58,12 @@ def _cache_root(config: DataConfig) -> Path:
     return Path(config.cache_dir or Path.home() / ".cache" / "lnfree" / "data").expanduser()
 
 
-def _text_datasets(config: DataConfig):
-    """(train, held-out) `datasets.Dataset`s of documents, or of pre-tokenised rows."""
+def _text_datasets(config: DataConfig, part: str = "validation"):
+    """(train, held-out) `datasets.Dataset`s of documents, or of pre-tokenised rows; `part` chooses
+    realtext's held-out half (`lnfree.realtext.corpus`: validation while training, test for the
+    final evaluation). Other sources have one held-out split."""
     import datasets
+
 
     if config.source == "tiny":
         n = config.max_documents or 4000
@@ -70,7 +74,7 @@ def _text_datasets(config: DataConfig):
         )
     if config.source == "realtext":
         try:
-            train, held_out = train_and_heldout()
+            train, held_out = train_and_heldout(part=part)
         except CorpusError as err:
             raise DataError(str(err)) from err
         return (
@@ -245,9 +249,12 @@ def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int
 
 
 def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int,
-                 bos_token_id: int | None = None) -> TokenData:
+                 bos_token_id: int | None = None, part: str = "validation") -> TokenData:
     """Load (from cache when possible) the train and held-out sequences for `config` (each starting with
-    `bos_token_id` when given: see `bos_token`)."""
+    `bos_token_id` when given: see `bos_token`). The held-out sequences are the validation split unless
+    `part` is "test" (realtext only: the split a final evaluation reads, never a run)."""
+    if part != "validation" and config.source != "realtext":
+        raise DataError(f"only the realtext corpus has a separate {part} split; {config.source!r} has one held-out split")
     eot = tokenizer.eos_token_id
     if eot is None:
         raise DataError("the tokenizer has no eos (EOT) token to separate documents")
@@ -268,6 +275,7 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
         "format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
         **config.model_dump(include={"source", "document_separator", "revision", "split", "text_field",
                                      "val_fraction", "val_seed", "max_documents"}),
+        "held_out": part,
     }
     if Path(config.source).expanduser().exists():
         stat = Path(config.source).expanduser().stat()
@@ -276,7 +284,7 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
     folder = _cache_root(config) / key
     meta_path = folder / "meta.json"
     if not meta_path.exists():
-        train_docs, held_out_docs = _text_datasets(config)
+        train_docs, held_out_docs = _text_datasets(config, part)
         folder.mkdir(parents=True, exist_ok=True)
         stats = {
             name: _write_tokens(docs, tokenizer, eot, config, folder / f"{name}.bin", dtype)

@@ -3,8 +3,9 @@
 The teacher is the run's starting checkpoint with every norm real, loaded afresh (so a resumed
 run rebuilds the same teacher), in eval mode and without gradients. It runs under the same
 autocast as the student on the same micro-batch. Memory: the teacher adds one copy of the weights
-(in bf16 on a GPU by default: 3.1 GB for GPT-2 XL) and one logits tensor per micro-batch; the KL is
-computed in chunks of tokens so that its fp32 temporaries stay small. Under DDP every process
+(in bf16 where `auto` means bf16, `lnfree.precision`: 3.1 GB for GPT-2 XL) and one logits tensor per
+micro-batch; the KL is computed in chunks of tokens so that its fp32 temporaries stay small (with
+`train.chunked_vocab_loss`, `lnfree.vocab_loss`, no full logits tensor at all). Under DDP every process
 holds a full teacher; under FSDP too (it is not sharded).
 """
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lnfree.models import load_base
+from lnfree.precision import auto_bf16
 
 #: Tokens per chunk of the KL computation (bounds its fp32 temporaries to chunk × vocabulary).
 KL_CHUNK_TOKENS = 2048
@@ -22,22 +24,23 @@ KL_CHUNK_TOKENS = 2048
 
 def resolve_teacher_dtype(choice: str, bf16_capable: bool) -> torch.dtype:
     """The teacher's weight dtype for `train.teacher_dtype` = `choice`: `auto` is bf16 where the
-    device computes in bf16 (a GPU), fp32 elsewhere."""
+    device computes in bf16 (`bf16_capable`: `lnfree.precision.auto_bf16`), fp32 elsewhere."""
     if choice == "auto":
         return torch.bfloat16 if bf16_capable else torch.float32
     return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
-def teacher_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """`resolve_teacher_dtype` on `device` (bf16-capable: a CUDA device that supports it)."""
-    return resolve_teacher_dtype(choice, device.type == "cuda" and torch.cuda.is_bf16_supported())
+def teacher_dtype(choice: str, device: torch.device, cpu_bf16: bool = False) -> torch.dtype:
+    """`resolve_teacher_dtype` on `device` (bf16-capable: `lnfree.precision.auto_bf16`, `cpu_bf16` its
+    CPU opt-in `train.auto_cpu_bf16`)."""
+    return resolve_teacher_dtype(choice, auto_bf16(device, cpu_bf16))
 
 
-def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto") -> nn.Module:
-    """The frozen original model `model` (every norm real) on `device`, for distillation."""
+def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto", cpu_bf16: bool = False) -> nn.Module:
+    """The frozen original model `model` (every norm real) on `device`, for distillation (`teacher_dtype`)."""
     teacher, _ = load_base(model)
     teacher.eval().requires_grad_(False)
-    return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device))
+    return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device, cpu_bf16))
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -10,9 +10,10 @@ published format) wherever that is exact. The config's eps field is set to E too
 `from_pretrained` and TransformerLens read eps from the config. An attention-input norm whose Q/K
 and V paths froze different σ keeps σ_qk and folds σ_qk/σ_v into the V columns of its consumers
 (weight and bias), which is exact. Probe rows on which the LN-free model itself runs away (a norm
-input beyond what any fp32 eps can hold: random or special tokens far out of distribution, through
-gated MLPs) are left out of the eps choice and the check and listed in the record; real text that
-runs away is refused.
+input beyond what any fp32 eps can hold, through gated MLPs) are left out of the eps choice and the
+check and listed in the record with the kind of input each row is (random ids, BOS and a repeated
+token, a special token, ...); such a model is broken on those inputs, so the export is refused unless
+`allow_runaway` (CLI: `--allow-runaway`), and real text that runs away is always refused.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from lnfree.fixedscale.state import ScaleState
 from lnfree.config import RunConfig
 from lnfree.layout import EXPORT, RUN_CONFIG, TOKENIZER
 from lnfree.massive import NEURONS_FILE
-from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, export_fingerprint, probe_batch
+from lnfree.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, export_fingerprint, probe_rows
 
 EPS_TRICK_EPS = 1e12
 EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
@@ -49,6 +50,10 @@ logger = logging.getLogger("lnfree")
 
 class ExportError(ValueError):
     """A model or run that cannot be exported as asked."""
+
+
+class RunawayError(ExportError):
+    """The model overflows on some probe rows (not real text): refused unless `allow_runaway`."""
 
 
 #: The largest eps an export writes: the config's eps and mean(x²) + eps must be finite in fp32 (largest 3.4e38).
@@ -111,13 +116,16 @@ def runaway_rows(peaks: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(peaks.values())).amax(0) > RUNAWAY_PEAK
 
 
-def describe_rows(ids: torch.Tensor, rows: torch.Tensor, peaks: dict[str, torch.Tensor], tokenizer=None) -> list[dict]:
-    """JSON-ready: each row of `rows` (bool) with its first tokens and its largest norm input."""
+def describe_rows(ids: torch.Tensor, rows: torch.Tensor, peaks: dict[str, torch.Tensor], tokenizer=None,
+                  kinds: list[str] | None = None) -> list[dict]:
+    """JSON-ready: each row of `rows` (bool) with what kind of input it is (`lnfree.probe.probe_rows`), its
+    first tokens and its largest norm input."""
     out = []
     for row in rows.nonzero().flatten().tolist():
         start = ids[row, :3].tolist()
         peak = float(max(p[row] for p in peaks.values()))
-        entry = {"row": row, "first_tokens": start, "peak_norm_input": peak if math.isfinite(peak) else "overflow"}
+        entry = {"row": row, **({"kind": kinds[row]} if kinds is not None else {}), "first_tokens": start,
+                 "peak_norm_input": peak if math.isfinite(peak) else "overflow"}
         if tokenizer is not None:
             entry["first_text"] = [tokenizer.decode([t]) for t in start]
         out.append(entry)
@@ -176,7 +184,8 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
     complete = surgery.is_fully_removed(model)
     if not complete and not allow_partial:
         real = [name for name, s in surgery.scale_states(model).items() if not s.is_fixed]
-        raise ExportError(f"{len(real)} norms are still real (e.g. {real[0]}); pass allow_partial to export anyway")
+        raise ExportError(f"{len(real)} norms are still real (e.g. {real[0]}); pass allow_partial=True "
+                          "(CLI: --allow-partial) to export anyway")
     config = copy.deepcopy(model.config)
     if complete:
         arch.set_eps(config, eps)
@@ -214,7 +223,7 @@ def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial:
 
 def write_export(
     model: nn.Module, tokenizer, out: str | Path, record: dict, *, allow_partial: bool = False,
-    overwrite: bool = False, probe: torch.Tensor | None = None,
+    overwrite: bool = False, probe: torch.Tensor | None = None, allow_runaway: bool = False,
 ) -> Path:
     """Write the eps-trick model (safetensors), tokenizer and `lnfree_removal.json` to `out`.
 
@@ -229,10 +238,10 @@ def write_export(
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} already exists and is not empty; pass overwrite to replace it")
-    ids = probe_batch(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
+        raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
+    ids, kinds = probe_rows(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
     rows = norm_input_peaks(model, ids)
-    ids, rows, runaway, kept = _without_runaway_rows(ids, rows, 0 if probe is None else len(probe), tokenizer)
+    ids, rows, runaway, kept = _without_runaway_rows(ids, rows, kinds, tokenizer, allow_runaway)
     peaks = {slot: float(value.max()) for slot, value in rows.items()}
     peak = max(peaks.values())
     eps = choose_eps(peak)
@@ -266,20 +275,33 @@ def write_export(
     return out
 
 
-def _without_runaway_rows(ids: torch.Tensor, rows: dict[str, torch.Tensor], text_rows: int, tokenizer):
-    """The probe without the synthetic rows the model itself runs away on (those are reported, not
-    compared: no representation can match an overflow); refuses when real text runs away."""
+def runaway_summary(described: list[dict], total: int) -> str:
+    """One line: how many probe rows run away, and which kinds of input they are."""
+    kinds = [r.get("kind", "?") + f" ({', '.join(map(repr, r['first_text']))}…)" if "first_text" in r else r.get("kind", "?")
+             for r in described]
+    return f"the model runs away on {len(described)} of {total} probe rows: {'; '.join(kinds)}"
+
+
+def _without_runaway_rows(ids: torch.Tensor, rows: dict[str, torch.Tensor], kinds: list[str], tokenizer,
+                          allow_runaway: bool = False):
+    """The probe without the rows the model itself runs away on (those are reported, not compared: no
+    representation can match an overflow); refuses when real text runs away, and when anything does
+    unless `allow_runaway`."""
     runaway = runaway_rows(rows)
-    described = describe_rows(ids, runaway, rows, tokenizer)
-    if runaway[:text_rows].any() or runaway.all():
-        where = "real held-out text" if runaway[:text_rows].any() else "every probe row"
+    described = describe_rows(ids, runaway, rows, tokenizer, kinds)
+    text = torch.tensor([kind == "real text" for kind in kinds])
+    if (runaway & text).any() or runaway.all():
+        where = "real held-out text" if (runaway & text).any() else "every probe row"
         raise ExportError(
             f"a norm input reaches a variance (mean square) above {RUNAWAY_PEAK:.3g} on {where}: an exact eps-trick "
             f"export would need eps above {MAX_EPS:g}, beyond fp32; such a model cannot be exported in the plain "
             "format (lnfree.load and the installed model stay exact)")
     if described:
-        logger.warning("the model runs away on %d of %d probe rows (random or special tokens; not compared): %s",
-                       len(described), len(ids), ", ".join(str(r.get("first_text", r["first_tokens"])) for r in described))
+        message = runaway_summary(described, len(ids))
+        if not allow_runaway:
+            raise RunawayError(f"{message}. A model that overflows on such input is broken there (`lnfree stress` "
+                              "measures how often); pass --allow-runaway (allow_runaway=True) to export it anyway")
+        logger.warning("%s (not compared)", message)
     return ids[~runaway], {slot: value[~runaway] for slot, value in rows.items()}, described, (~runaway).nonzero()[:, 0]
 
 
@@ -321,8 +343,10 @@ def _measured_record(measured: dict | None, ids: torch.Tensor, tokenizer, kept: 
             "measured": "plain transformers from_pretrained of the export against the installed model, on the probe"}
 
 
-def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | None = None) -> Path:
-    """Export a finished removal run (`lnfree.train.RunResult`) to `out` (default: its `export/` folder).
+def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | None = None,
+               allow_runaway: bool = False) -> Path:
+    """Export a finished removal run (`lnfree.train.RunResult`) to `out` (default: its `export/` folder);
+    `allow_runaway` as in `write_export`.
 
     The record holds the run config, the removal events and the held-out CE (by default the run's
     original and LN-free values; pass `held_out_ce` to add e.g. the vanilla control's).
@@ -336,7 +360,8 @@ def export_run(result, out: str | Path | None = None, *, held_out_ce: dict | Non
         "held_out_ce": held_out_ce or {"original": result.held_out_ce_start, "ln_free": result.held_out_ce_end},
     }
     tokenizer = AutoTokenizer.from_pretrained(result.output_dir / TOKENIZER)
-    return write_export(result.model, tokenizer, out, record, overwrite=True, probe=getattr(result, "probe", None))
+    return write_export(result.model, tokenizer, out, record, overwrite=True, probe=getattr(result, "probe", None),
+                        allow_runaway=allow_runaway)
 
 
 def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, object, RunConfig]:

@@ -18,7 +18,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
 from lnfree.export import EPS_TRICK_EPS, RECORD
 from lnfree.models import HUB_IDS
-from lnfree.sources import looks_local
+from lnfree.sources import hub_offline, looks_local
 from lnfree.verify import verify, write_report
 
 CARD_TEMPLATE = """---
@@ -197,6 +197,32 @@ def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path, eval_r
     return out
 
 
+def check_hub_access(api: HfApi) -> None:
+    """Raise `PushError` (one line: what to do) unless there is a token and the Hub answers to it.
+
+    Checked before anything is verified or uploaded, so that a push without credentials or network
+    fails at once instead of deep inside `create_repo`.
+    """
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    token = api.token if isinstance(api.token, str) else get_token()
+    if not token:
+        raise PushError("no Hugging Face token: log in with `hf auth login` (or set HF_TOKEN to a write token); "
+                        "--dry-run writes the folder without one")
+    if hub_offline():
+        raise PushError("the Hugging Face Hub is switched off (HF_HUB_OFFLINE is set): unset it to push, or use --dry-run")
+    try:
+        api.whoami(token=token)
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        raise PushError(f"the Hugging Face Hub refused the token (HTTP {status}): log in again with `hf auth login` "
+                        "or set HF_TOKEN to a valid write token") from None
+    except Exception as err:  # no network, DNS, proxy: say so in one line instead of a traceback
+        raise PushError(f"cannot reach the Hugging Face Hub at {api.endpoint} ({type(err).__name__}): check the "
+                        "network (or HF_ENDPOINT), or use --dry-run") from None
+
+
 def push(
     export_dir: str | Path,
     repo_id: str,
@@ -212,12 +238,14 @@ def push(
     """Publish an export; returns the commit URL, or the dry-run folder's path.
 
     Refuses an export that fails `verify`, and an existing repo branch that already holds files
-    unless `force`.
+    unless `force`; without `api`, first checks the token and that the Hub answers (`check_hub_access`).
     """
     if dry_run:
         folder = Path(dry_run_dir or f"{Path(export_dir).as_posix().rstrip('/')}-hub")
         return str(prepare_folder(export_dir, repo_id, folder, eval_reports))
-    api = api or HfApi()
+    if api is None:
+        api = HfApi()
+        check_hub_access(api)
     with tempfile.TemporaryDirectory() as tmp:
         folder = prepare_folder(export_dir, repo_id, Path(tmp) / "upload", eval_reports)
         api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)

@@ -311,6 +311,7 @@ class NormInputs(Captured):
     def __init__(self, model: nn.Module):
         super().__init__()
         arch = architecture(model)
+        self.model = model
         self.sources: list[nn.Module] = []
         self.handles = [model.get_submodule(site.module).register_forward_pre_hook(self._keep)
                         for site in arch.sites() if not site.per_head]
@@ -435,7 +436,7 @@ def _scale_with_grad(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def typical_scale(scale: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:
     """The detached mean of per-token `scale` (batch, positions) over the tokens neither at position 0
-    nor EOT: the target of the auxiliary losses (DESIGN.md §1)."""
+    nor EOT: the target of the auxiliary losses (as in Baroni et al. 2025, arXiv 2507.02559)."""
     typical = input_ids != eot_token_id
     typical[:, 0] = False
     return ((scale * typical).sum() / typical.sum().clamp_min(1)).detach()

@@ -7,6 +7,7 @@ teacher, the mixed-precision autocast (`autocast_factory`), a frozen token embed
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.config import RunConfig
 from lnfree.distill import load_teacher
+from lnfree.precision import auto_bf16, cpu_has_native_bf16
+
+logger = logging.getLogger("lnfree")
 
 
 def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device) -> nn.Module | None:
@@ -28,7 +32,8 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
-    teacher = load_teacher(config.model, device, train.teacher_dtype) if train.distill_alpha > 0 else None
+    teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16) if train.distill_alpha > 0
+               else None)
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
@@ -52,10 +57,14 @@ def compile_blocks(model: nn.Module, **options) -> None:
 
 def autocast_factory(config: RunConfig, device: torch.device):
     """(a function returning the run's autocast context, the precision it resolved to: "bf16",
-    "fp16" or "no"); `train.mixed_precision = "auto"` is bf16 on a GPU that supports it, else none."""
+    "fp16" or "no"); `train.mixed_precision = "auto"` is bf16 where `lnfree.precision.auto_bf16` says
+    (a GPU that supports it; a CPU with native bf16 under `train.auto_cpu_bf16`), else none."""
     choice = config.train.mixed_precision
     if choice == "auto":
-        choice = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+        choice = "bf16" if auto_bf16(device, config.train.auto_cpu_bf16) else "no"
+    elif choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.warning("train.mixed_precision = bf16 on a CPU without native bf16 (avx512_bf16 or AMX): emulated, "
+                       "likely slower than fp32")
     if choice == "no":
         return contextlib.nullcontext, "no"
     dtype = torch.bfloat16 if choice == "bf16" else torch.float16

@@ -1,7 +1,7 @@
 """Probe batches that hold what makes a norm input extreme, and the error measured on them.
 
 Real models put their massive activations on the first position (BOS), on special tokens and on
-tokens repeated at the start of a sequence (DESIGN.md §7). Seeded random ids rarely contain any of
+tokens repeated at the start of a sequence (docs/how-to/modern-models.md). Seeded random ids rarely contain any of
 them, so a check on random ids alone can call an export exact that is wrong on the first real
 sequence. A probe here is real text when there is some, plus rows that start with BOS, with every
 special token and with repeated tokens, plus random rows; `export` chooses and checks its eps on
@@ -66,9 +66,9 @@ def _bos(config, tokenizer) -> int | None:
     return None
 
 
-def probe_batch(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, length: int = 64,
-                n_positions: int | None = None, n_random: int = 4, seed: int = 0) -> torch.Tensor:
-    """Input ids (n, L) for checking a model where its activations are largest.
+def probe_rows(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, length: int = 64,
+               n_positions: int | None = None, n_random: int = 4, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """Input ids (n, L) for checking a model where its activations are largest, and what each row is.
 
     Rows: `text_ids` (real text, cut to L; L is their length when given), `n_random` seeded random
     rows, the same with BOS first, and for every special token s: [s, s, s, …] and [BOS, s, s, …],
@@ -79,14 +79,25 @@ def probe_batch(config, tokenizer=None, *, text_ids: torch.Tensor | None = None,
     length = min(length, n_positions or length)
     specials, bos = special_ids(config, tokenizer), _bos(config, tokenizer)
     repeated = sample_tokens(config.vocab_size, 1, 4, 1, seed + 1)[:, 0].tolist()
-    starts = [[s, s, s] for s in specials]
+    name = (lambda t: repr(tokenizer.decode([t]))) if tokenizer is not None else str  # noqa: E731
+    starts = [([s, s, s], f"special token {name(s)} three times, then random ids") for s in specials]
     if bos is not None:
-        starts += [[bos]] * n_random + [[bos, s, s] for s in specials] + [[bos, t, t] for t in repeated]
+        starts += [([bos], "BOS, then random ids")] * n_random
+        starts += [([bos, s, s], f"BOS, special token {name(s)} twice, then random ids") for s in specials]
+        starts += [([bos, t, t], f"BOS, token {name(t)} twice, then random ids") for t in repeated]
     rows = sample_tokens(config.vocab_size, length, n_random + len(starts), length, seed)
-    for row, start in zip(rows[n_random:], starts):
+    for row, (start, _) in zip(rows[n_random:], starts):
         width = min(len(start), length)
         row[:width] = torch.tensor(start[:width])
-    return torch.cat([text_ids[:, :length].long(), rows]) if text_ids is not None else rows
+    kinds = ["random ids"] * n_random + [kind for _, kind in starts]
+    if text_ids is None:
+        return rows, kinds
+    return torch.cat([text_ids[:, :length].long(), rows]), ["real text"] * len(text_ids) + kinds
+
+
+def probe_batch(config, tokenizer=None, **options) -> torch.Tensor:
+    """The ids of `probe_rows` (the same options)."""
+    return probe_rows(config, tokenizer, **options)[0]
 
 
 def worst_token_relative_error(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, int, int]:
@@ -105,9 +116,11 @@ def logits_fn(model: torch.nn.Module):
 @torch.no_grad()
 def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> dict:
     """`model` against `reference` (modules, or callables ids → logits) on `ids`, `batch_size` rows at
-    a time: the largest |Δlogit|, the largest |Δlogit| / max(1, |logit|) (fp32 rounds relative to a
-    logit's size), and the worst token's relative error and (row, position). A non-finite logit on
-    either side counts as an infinite difference."""
+    a time: the largest |Δlogit|, the largest |Δlogit| / max(1, the token's logit scale) (the largest
+    |logit| of that token: fp32 rounds every logit of a token relative to the size of the vectors whose
+    dot products give them, so a logit near 0 beside logits of 10 carries their rounding), and the
+    worst token's relative error and (row, position). A non-finite logit on either side counts as an
+    infinite difference."""
     model, reference = (logits_fn(m) if isinstance(m, torch.nn.Module) else m for m in (model, reference))
     worst = {"max_abs_diff": 0.0, "max_scaled_diff": 0.0, "worst_token_relative_error": -1.0, "worst_token": None}
     for start in range(0, len(ids), batch_size):
@@ -116,7 +129,8 @@ def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> 
         got, want = logits.double(), expected.double()
         finite = got.isfinite() & want.isfinite()
         diff = torch.where(finite, (got - want).abs(), torch.where(got == want, 0.0, math.inf))
-        scaled = torch.where(finite, diff / want.abs().clamp_min(1), diff)
+        scale = want.abs().masked_fill(~want.isfinite(), 0).amax(-1, keepdim=True).clamp_min(1)
+        scaled = torch.where(finite, diff / scale, diff)
         worst["max_abs_diff"] = max(worst["max_abs_diff"], diff.max().item())
         worst["max_scaled_diff"] = max(worst["max_scaled_diff"], scaled.max().item())
         error, row, position = worst_token_relative_error(logits, expected)

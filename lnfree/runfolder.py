@@ -49,9 +49,9 @@ def prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool, n_layer
         if not resume and not overwrite:
             if same:
                 raise RunError(f"{out} already holds this same run; continue it with resume=True (CLI: --resume) or "
-                               "replace it with overwrite=True (--overwrite)")
+                               "replace it with overwrite=True (CLI: --overwrite)")
             raise RunError(f"{out} already holds a different run; choose another output_dir (CLI: -o DIR) or replace "
-                           "it with overwrite=True (--overwrite)")
+                           "it with overwrite=True (CLI: --overwrite)")
         if overwrite:
             _clear_run_outputs(out)
     elif resume:

@@ -11,6 +11,28 @@ from lnfree.wheels import WHEEL_MODELS
 MODEL_NAMES = ("tiny", "realtext", *WHEEL_MODELS)
 
 
+def known_names() -> str:
+    """The model names lnfree knows, as one comma-separated string (for help texts and errors)."""
+    return ", ".join(MODEL_NAMES)
+
+
+def _close_name(name: str) -> str | None:
+    """The model name that a bare `name` (no OWNER/) is most likely a typo of, if any."""
+    import difflib
+
+    close = difflib.get_close_matches(name, MODEL_NAMES, n=1, cutoff=0.7) if "/" not in name else []
+    return close[0] if close else None
+
+
+def _unknown_name(name: str, why: str) -> str:
+    """The error for a source that is not found: for a bare name (no OWNER/), also the names lnfree knows."""
+    if "/" in name:
+        return why
+    close = _close_name(name)
+    guess = f"did you mean {close!r}? " if close else ""
+    return f"unknown model name {name!r}: {guess}lnfree knows {known_names()}; {why}"
+
+
 class SourceError(ValueError):
     """A model source that is neither a local folder nor a reachable Hub model."""
 
@@ -46,24 +68,25 @@ def check_model_source(name: str) -> None:
         return
     if looks_local(name):
         raise SourceError(f"no such folder: {name}")
+    if _close_name(name):  # a typo of a name lnfree knows: no Hub look-up
+        raise SourceError(_unknown_name(name, "otherwise pass a local folder or a Hub id (OWNER/NAME)"))
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
     if hub_offline():
-        raise SourceError(
+        raise SourceError(_unknown_name(name, (
             f"{name!r} is no local folder and not in the Hugging Face cache, and the Hub is switched off "
-            "(HF_HUB_OFFLINE): download it first (`hf download ID`) or pass a local folder"
-        )
+            "(HF_HUB_OFFLINE): download it first (`hf download ID`) or pass a local folder")))
     try:
         HfApi().model_info(name, timeout=10)
     except GatedRepoError:
         return
     except RepositoryNotFoundError:
-        raise SourceError(f"no such folder, and no model {name!r} on the Hugging Face Hub (or it is private)") from None
+        raise SourceError(_unknown_name(
+            name, f"no such folder, and no model {name!r} on the Hugging Face Hub (or it is private)")) from None
     except Exception as err:  # the network, not the id: say so instead of retrying for a minute
-        raise SourceError(
+        raise SourceError(_unknown_name(name, (
             f"cannot reach the Hugging Face Hub to fetch {name!r} ({type(err).__name__}: {err}); pass a local "
-            "folder, or set HF_HUB_OFFLINE=1 to use the cache"
-        ) from None
+            "folder, or set HF_HUB_OFFLINE=1 to use the cache"))) from None

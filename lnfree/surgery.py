@@ -11,6 +11,8 @@ original ones plus the scale-state buffers.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Iterable
 
 import torch
@@ -138,6 +140,20 @@ def _summed_stats(states: Iterable[ScaleState]) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     return stats
+
+
+@contextlib.contextmanager
+def statistics_paused(model: nn.Module):
+    """No norm of `model` feeds its σ statistics inside (a training forward on generated rows, not text);
+    nothing to pause in a model without lnfree norms (a vanilla control)."""
+    states = list(scale_states(model).values()) if is_installed(model) else []
+    for state in states:
+        state.paused = True
+    try:
+        yield
+    finally:
+        for state in states:
+            state.paused = False
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ from lnfree.arch.base import Architecture
 from lnfree.ceiling import ScaleCeiling, set_ceiling
 from lnfree.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.config import RunConfig
+from lnfree.coverage import coverage_ids
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.launch import close_distributed, make_accelerator, quiet_libraries  # noqa: F401 (re-exported)
 from lnfree.layout import (  # noqa: F401 (names other modules read from here)
@@ -112,10 +113,10 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     bare = accelerator.unwrap_model(model)
     held_out = replace(s.held_out, model=model, bare=bare)  # evaluations now run the prepared model
     timeline = Timeline(s.events, config.removal.blend_steps, config.removal.adaptive)
-    start_step, seconds_before = 0, 0.0
+    start_step, seconds_before, cpu_before = 0, 0.0, 0.0
     if resume:
         checkpoint, state = load_checkpoint_state(accelerator, out, timeline)
-        start_step, seconds_before = state["step"], state.get("seconds", 0.0)
+        start_step, seconds_before, cpu_before = state["step"], state.get("seconds", 0.0), state.get("cpu_seconds", 0.0)
         ce_start = json.loads((out / START).read_text())["held_out_ce"]
         if start_step >= train.max_steps:
             return _already_finished(s, held_out, timeline, checkpoint, state, ce_start)
@@ -126,7 +127,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
-    clock = _Clock(seconds_before)
+    clock = _Clock(seconds_before, cpu_before)
     for step in bar:
         removal.before_step(bare, step, s.log)
         lr = learning_rate(step, config)
@@ -151,7 +152,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             s.log(eval_record(held_out, done, removal.ceiling_now))
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
-                            {"seconds": clock.seconds(), "timeline": timeline.state_dict()}, train.keep_checkpoints)
+                            {**clock.state(), "timeline": timeline.state_dict()}, train.keep_checkpoints)
     objective.remove()
     removal.finish(bare)
     return _finish(s, held_out, timeline, clock, ce_start)
@@ -180,6 +181,7 @@ class _Setup:
     momentum: float  # σ momentum per optimiser step
     steady: bool  # whether glibc keeps freed memory (`lnfree.runtime.steady_allocator`)
     amended: list[str]  # the config fields a resumed run changed
+    coverage_rows: Callable[[int, int], torch.Tensor] | None  # (step, micro-step) → generated rows (train.coverage)
 
     @property
     def out(self) -> Path:
@@ -223,7 +225,18 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
     held_out = HeldOut(model, model, data, config.data.eval_sequences, micro_batch, autocast, scale_probe,
                        accelerator.device, scored)
     return _Setup(config, accelerator, model, arch, events, data, batches, loader, held_out, log, teacher, autocast,
-                  precision, momentum, steady, amended)
+                  precision, momentum, steady, amended,
+                  _coverage_rows(config, accelerator.process_index, context, model, tokenizer))
+
+
+def _coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, tokenizer):
+    """(step, micro-step) → this rank's generated rows of `train.coverage`, or None when it is off."""
+    coverage = config.train.coverage
+    if coverage is None:
+        return None
+    bos, vocab = bos_token(model, tokenizer), model.config.vocab_size
+    return lambda step, micro: coverage_ids(coverage, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
+                                            seed=config.train.seed)
 
 
 def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn.Module,
@@ -261,11 +274,12 @@ def _start(s: _Setup) -> float:
 
 
 def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Path, resume: bool, main: bool) -> Damping | None:
-    """The massive-neuron damping of a removal run (None without one): neurons found on process 0's
-    first `sigma_init_batches` micro-batches (the same on every process) and recorded in the run
-    folder, or read back from it on resume."""
+    """The massive-neuron damping of a run (None without one): neurons found on process 0's first
+    `sigma_init_batches` micro-batches (the same on every process) and recorded in the run folder, or
+    read back from it on resume. A vanilla control damps them too: it differs from its removal in the
+    norms alone."""
     massive = config.removal.massive_neurons
-    if massive is None or config.removal.mode != "remove":
+    if massive is None:
         return None
     if resume:
         return Damping.load(massive, out)
@@ -345,14 +359,24 @@ class _Removal:
 
 
 class _Clock:
-    """Training wall time over every process of the run: `before` (earlier processes) plus this one's."""
+    """Training time over every process of the run (`before`: earlier processes, plus this one's): wall
+    time, and this process's CPU time (every thread; pauses and other jobs on the machine not counted)."""
 
-    def __init__(self, before: float):
+    def __init__(self, before: float, cpu_before: float = 0.0):
         self.before, self.started = before, time.perf_counter()
+        self.cpu_before, self.cpu_started = cpu_before, time.process_time()
 
     def seconds(self) -> float:
         """The wall time so far, rounded to 10 ms as logged and checkpointed."""
         return round(self.before + time.perf_counter() - self.started, 2)
+
+    def cpu_seconds(self) -> float:
+        """The process CPU time so far, rounded to 10 ms."""
+        return round(self.cpu_before + time.process_time() - self.cpu_started, 2)
+
+    def state(self) -> dict:
+        """Both, as logged and checkpointed."""
+        return {"seconds": self.seconds(), "cpu_seconds": self.cpu_seconds()}
 
 
 def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
@@ -361,12 +385,18 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
     accelerator, accumulation = s.accelerator, s.batches.accumulation
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     tails = objective.tails_at(step)
+    covered = s.coverage_rows is not None and step >= s.config.train.coverage.start
     for micro in range(accumulation):
-        sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
-        with sync:
+        last = micro == accumulation - 1
+        with contextlib.nullcontext() if last and not covered else accelerator.no_sync(model):
             loss, terms = objective(model, s.loader.get(step, micro), tails)
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
+        if covered:  # the generated rows in a forward of their own (lnfree.coverage)
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                loss, terms = objective.coverage(model, s.coverage_rows(step, micro).to(accelerator.device))
+                accelerator.backward(loss / accumulation)
+            totals += terms / accumulation
     return totals
 
 
@@ -375,7 +405,7 @@ def _log_losses(s: _Setup, objective: Objective, pending: list[torch.Tensor], do
     """Log the loss terms and gradient norm averaged over the `pending` steps (then cleared) after `done`."""
     record = objective.record(torch.stack(pending).mean(0).tolist())
     pending.clear()
-    record.update(step=done, lr=lr, tokens=done * s.config.train.tokens_per_step, seconds=clock.seconds())
+    record.update(step=done, lr=lr, tokens=done * s.config.train.tokens_per_step, **clock.state())
     s.log(record)
     return record
 
@@ -387,11 +417,12 @@ def _finish(s: _Setup, held_out: HeldOut, timeline: Timeline, clock: _Clock, ce_
     """Measure the trained model, log the end, save the final checkpoint and return the result."""
     train, accelerator, bare = s.config.train, s.accelerator, held_out.bare
     ce_end = held_out.ce().item()
-    seconds = clock.seconds()
+    times = clock.state()
+    seconds = times["seconds"]
     s.log({"event": "end", "step": train.max_steps, "held_out_ce": ce_end, "held_out_tokens": held_out.tokens,
-           "seconds": seconds, **held_out.scales()})
+           **times, **held_out.scales()})
     checkpoint = save_checkpoint(accelerator, bare, s.out, train.max_steps, bare.config,
-                                 {"seconds": seconds, "held_out_ce": ce_end, "timeline": timeline.state_dict()},
+                                 {**times, "held_out_ce": ce_end, "timeline": timeline.state_dict()},
                                  train.keep_checkpoints)
     if train.report_to:
         accelerator.end_training()

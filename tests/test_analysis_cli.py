@@ -44,16 +44,21 @@ def test_analyze_all_writes_every_analysis_and_an_index(tiny_ln_free_export, tmp
     assert report.count("class=\"plotly-graph-div\"") == len(figures) and report.count("plotly.min.js") == 1
     assert report.index("Headline numbers") < report.index("plotly-graph-div")
     assert 'id="dla-dla_global_nmae"' in report and "neurons (layer.neuron)" in report
-    # a progress bar per analysis; no weight-loading bars of other libraries
-    assert all(re.search(rf"{name}: \d+pass", result.stderr) for name in index["analyses"]), result.stderr
+    # a progress bar per analysis, with its total (models) from the first model on; no weight-loading bars
+    assert all(re.search(rf"{name}: +\d+%.*model 1/2 \(original\), pass 1\b", result.stderr)
+               for name in index["analyses"]), result.stderr
     assert "Loading weights" not in result.stderr
-    # written again from the same models: byte-identical results; wall-clock seconds only in timings.json
+    # the headline numbers are printed too
+    assert "DLA vs DE: global NMAE, heads" in result.stdout and "attention sink rate" in result.stdout
+    # written again from the same models (--overwrite: they are there already): byte-identical results;
+    # wall-clock seconds only in timings.json
     timings = {p for p in out.rglob("timings.json")}
     assert timings == {out / "timings.json", out / "patching" / "timings.json", out / "entropy-neurons" / "timings.json"}
     assert set(json.loads((out / "timings.json").read_text())["seconds"]) == set(index["analyses"])
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p not in timings}
     again = runner.invoke(app, ["analyze", "all", "--models", "tiny", str(tiny_ln_free_export),
-                                "--labels", "original", "ln_free", *SMALL, "--n-bootstrap", "20", "--out", str(out)])
+                                "--labels", "original", "ln_free", *SMALL, "--n-bootstrap", "20", "--out", str(out),
+                                "--overwrite"])
     assert again.exit_code == 0, again.output
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p not in timings}
     assert sorted(after) == sorted(before)
@@ -145,16 +150,88 @@ def test_default_labels_are_unique_and_explicit_ones_must_be():
         model_labels(["a", "b"], ["x", "x"])
 
 
-def test_an_analysis_progress_bar_has_a_total_once_the_first_model_is_done():
+def test_an_analysis_progress_bar_has_a_total_from_the_first_model_on():
     from types import SimpleNamespace
 
     from lnfree.analysis.common import analysis_progress
 
     models = [SimpleNamespace(label=label, on_forward=None) for label in ("original", "vanilla", "ln_free")]
     with analysis_progress(models, "dla") as bar:
+        assert bar.total == 3  # counted in models: a total from the first model on
         for _ in range(4):
             models[0].on_forward("original")
-        assert bar.total is None  # not known yet
+        assert bar.n == 0 and "model 1/3 (original), pass 4" in str(bar)
         models[1].on_forward("vanilla")
-        assert bar.total == 12  # 4 passes per model × 3 models: tqdm shows the ETA
+        assert bar.n == pytest.approx(1.25)  # 4 passes per model: tqdm shows the ETA
+        assert "model 2/3 (vanilla), pass 1/4" in str(bar)
     assert all(m.on_forward is None for m in models)
+
+
+def test_analyses_into_one_folder_share_its_index_and_nothing_is_replaced_without_overwrite(tmp_path):
+    out = tmp_path / "analysis"
+    args = ["--models", "tiny", "--labels", "original", *SMALL, "--n-bootstrap", "0", "--no-progress", "--out", str(out)]
+    assert runner.invoke(app, ["analyze", "dla", "--dataset", "tiny", *args]).exit_code == 0
+    second = runner.invoke(app, ["analyze", "residual", "--data", "tiny", *args])  # --data: the old name, kept
+    assert second.exit_code == 0, second.output
+    index = json.loads((out / "index.json").read_text())
+    assert list(index["analyses"]) == ["dla", "residual"] and index["tokens"] == [4, 24]
+    assert all(Path(p).exists() for s in index["analyses"].values() for p in s["figures"])
+    page, markdown = (out / "index.html").read_text(), (out / "index.md").read_text()
+    assert "id='dla'" in page and "id='residual'" in page and "dla/dla_global_nmae.html" in markdown
+    assert "DLA vs DE: global NMAE" in second.stdout and "attention sink rate" in second.stdout
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    refusals = [
+        (["analyze", "dla", *args], "already holds the dla analysis"),
+        (["analyze", "patching", *args[:-2], "--n-prompts", "4", "--out", str(out)], "other settings (n_prompts)"),
+        (["analyze", "patching", *args[2:], "--models", "realtext"], "other models"),
+    ]
+    for command, message in refusals:
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2 and message in result.output and "--overwrite" in result.output, result.output
+        assert "overwrite=True" not in result.output  # the CLI names its flag
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    replaced = runner.invoke(app, ["analyze", "dla", *args, "--overwrite"])
+    assert replaced.exit_code == 0 and list(json.loads((out / "index.json").read_text())["analyses"]) == ["dla", "residual"]
+    # a file no analysis wrote is never replaced, not even with --overwrite
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "index.md").write_text("my notes")
+    for extra in ([], ["--overwrite"]):
+        result = runner.invoke(app, ["analyze", "dla", *args[:-1], str(mine), *extra])
+        assert result.exit_code == 2 and "index.md was not written by lnfree analyze" in result.output
+    assert (mine / "index.md").read_text() == "my notes"
+
+
+def test_analyze_rejects_no_sequences_and_names_its_own_options(tmp_path):
+    none = runner.invoke(app, ["analyze", "dla", "--models", "tiny", "--n-sequences", "0", "--out", str(tmp_path / "a")])
+    assert none.exit_code == 2 and not (tmp_path / "a").exists()
+    many = runner.invoke(app, ["analyze", "dla", "--models", "tiny", "--n-sequences", "100000", "--length", "24",
+                               "--device", "cpu", "--no-progress", "--out", str(tmp_path / "b")])
+    assert many.exit_code == 2 and "--length" in many.output and "--context" not in many.output, many.output
+
+
+def test_every_figure_gives_a_model_and_a_quantity_one_colour():
+    import pandas as pd
+
+    from lnfree.analysis.dla import _global_bar
+    from lnfree.analysis.entropy_neurons_figures import cumulative_entropy_figure, distributions_figure
+    from lnfree.analysis.palette import MODEL_COLOURS, quantity_colour
+    from lnfree.analysis.patching_output import _agreement_figure
+
+    models, sets = ["original", "vanilla", "ln_free"], ["L3.7", "top-2"]
+    dist = pd.DataFrame([{"model": m, "metric": k, "ablation": a, "q05": 0, "q25": 1, "median": 2, "q75": 3, "q95": 4,
+                          "mean": 2} for m in models for k in ("abs_delta_entropy", "abs_delta_ce") for a in sets])
+    abl = pd.DataFrame([{"model": m, "ablation": a, "kind": "single" if a == sets[0] else "cumulative",
+                         "n_neurons": i + 1, "relative_entropy_change_percent": -1.0}
+                        for m in models for i, a in enumerate(sets)])
+    for figure in (distributions_figure(dist, sets, models), cumulative_entropy_figure(abl, sets, models)):
+        colours = {t.name: t.marker.color or t.line.color for t in figure.data}
+        assert colours == {m: MODEL_COLOURS[m] for m in models}, colours  # the box plot and the line plot alike
+    agreement = [{"model": m, "kind": k, "statistic": s, "value": 0.5, "ci_low": 0.4, "ci_high": 0.6}
+                 for s in ("nmae", "pearson_r") for k in ("resid_pre", "z") for m in models]
+    bars = _agreement_figure(agreement).data
+    assert [t.marker.color for t in bars] == [quantity_colour(t.name) for t in bars]  # the same in both panels
+    assert len({quantity_colour(k) for k in ("resid_pre", "z", "heads", "MLPs")} | set(MODEL_COLOURS.values())) == 7
+    stats = {"nmae": 1.6e-7, "ci_low": 1e-7, "ci_high": 2e-7}
+    dla = _global_bar({"ln_free": {"heads": stats, "mlps": stats}})
+    assert all(t.texttemplate and t.marker.color == quantity_colour(t.name) for t in dla.data)  # 1.6e-7 is labelled

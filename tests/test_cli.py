@@ -68,6 +68,7 @@ def test_export_command_writes_a_loadable_model_and_refuses_partial_runs(run_con
     early = finished.output_dir / "checkpoints" / "step_000003"
     result = runner.invoke(app, ["export", str(early), str(tmp_path / "partial")])
     assert result.exit_code == 2 and "still real" in result.output and not (tmp_path / "partial").exists()
+    assert "pass --allow-partial" in result.output and "allow_partial" not in result.output  # the CLI's flag
     result = runner.invoke(app, ["export", str(early), str(tmp_path / "partial"), "--allow-partial"])
     assert result.exit_code == 0, result.output
 
@@ -87,7 +88,7 @@ def test_every_option_has_help_and_shows_its_default():
     assert checked > 40
 
 
-#: P25 (../shared/DESIGN.md §1) updated σ with momentum 0.9 at each micro-batch of 32 sequences (GPT-2 medium:
+#: P25 (Baroni et al. 2025) updated σ with momentum 0.9 at each micro-batch of 32 sequences (GPT-2 medium:
 #: 16); for large and XL with 0.9^(micro-batch / 32), i.e. 0.9 per 32 sequences again.
 P25_SEQUENCES_PER_MOMENTUM = {"gpt2": 32, "gpt2-medium": 16, "gpt2-large": 32, "gpt2-xl": 32}
 
@@ -102,7 +103,7 @@ def test_gpt2_presets_fine_tune_as_p25_did():
 
 
 def test_a_presets_micro_batch_bounds_the_automatic_one_when_the_user_changes_the_step():
-    from lnfree.cli import _adapt_micro_batch
+    from lnfree.cli_common import adapt_micro_batch as _adapt_micro_batch
     from lnfree.config import with_overrides
     from lnfree.train import micro_batches
 

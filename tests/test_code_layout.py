@@ -13,6 +13,8 @@ PACKAGE = Path(lnfree.__file__).parent
 DEFERRED = {
     "cli.py": "the CLI imports a command's modules when it runs (`lnfree --help` stays fast)",
     "analysis/cli.py": "imported by the CLI at start-up: same reason",
+    "cli_common.py": "imported by the CLI at start-up: same reason",
+    "cli_stress.py": "imported by the CLI at start-up: same reason",
     "realtext/__init__.py": "the corpus module loads on first use, so `python -m lnfree.realtext.corpus` runs it once",
 }
 

@@ -127,7 +127,18 @@ def test_bootstrap_is_identical_for_the_same_seed():
     assert first.to_dict() == again.to_dict()
     assert first.model("a").ce.mean_ci != other.model("a").ce.mean_ci
     assert first.pair("a", "b").jsd.mean_ci != other.pair("a", "b").jsd.mean_ci
-    assert first.settings["bootstrap_unit"] == "sequence"
+    assert first.settings["bootstrap_block"] == 6  # round(√40)
+
+
+def test_block_bootstrap_widens_the_ci_of_correlated_neighbours():
+    from lnfree.results import bootstrap_ci
+
+    # Runs of 10 identical neighbours (sequences of one document): 10 independent values, not 200.
+    values = np.repeat(np.random.default_rng(0).normal(size=20), 10)
+    plain = bootstrap_ci(values, n_resamples=2000, seed=0)
+    blocked = bootstrap_ci(values, n_resamples=2000, seed=0, block=10)
+    assert (blocked[1] - blocked[0]) > 2 * (plain[1] - plain[0])
+    assert bootstrap_ci(values, seed=3, block=1) == bootstrap_ci(values, seed=3)  # block 1 is the plain bootstrap
 
 
 def test_jsd_of_a_model_with_itself_is_zero():
@@ -227,12 +238,16 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     direct = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert summary["models"][0]["ce"]["mean"] == pytest.approx(float(direct), abs=1e-5)
 
-    # A second evaluation into the same folder replaces the first: no per-model file of it stays behind.
+    # A second evaluation into the same folder is refused; with --overwrite it replaces the first: no
+    # per-model file of it stays behind, and nothing it did not write goes.
     (out / "notes.txt").write_text("mine")
     (out / STALE_MARKER).write_text("stale")  # as `lnfree remove --overwrite` leaves it: the new report clears it
-    again = runner.invoke(app, [
-        "eval", "tiny", "--labels", "alone", "--dataset", "tiny", "--n-sequences", "4", "--out", str(out),
-        "--cache-dir", cache, "--bootstrap", "10", "--device", "cpu", "--no-progress"])
+    second = ["eval", "tiny", "--labels", "alone", "--dataset", "tiny", "--n-sequences", "4", "--out", str(out),
+              "--cache-dir", cache, "--bootstrap", "10", "--device", "cpu", "--no-progress"]
+    refused = runner.invoke(app, second)
+    assert refused.exit_code == 2 and "already holds an earlier evaluation" in refused.output
+    assert "--overwrite" in refused.output and "written to" not in refused.output and (out / "ln_free.json").is_file()
+    again = runner.invoke(app, [*second, "--overwrite"])
     assert again.exit_code == 0, again.output
     assert not any((out / f"{label}.json").exists() for label in ("original", "vanilla", "ln_free"))
     assert (out / "alone.json").is_file() and (out / "notes.txt").read_text() == "mine"

@@ -160,6 +160,17 @@ def test_damping_keeps_a_removal_finite_where_the_plain_recipe_explodes(run_conf
     assert [(n["layer"], n["index"]) for n in record["massive_neurons"]] == [(1, 0)]
 
 
+def test_the_vanilla_control_damps_the_same_neurons(run_config, planted_model, tmp_path):
+    config = with_overrides(planted_config(run_config, planted_model, steps=6),
+                            {"removal.mode": "vanilla", "output_dir": str(tmp_path / "vanilla")})
+    control = run(config, progress=False)
+    assert [(n["layer"], n["index"]) for n in json.loads((control.output_dir / NEURONS_FILE).read_text())] == [(1, 0)]
+    mlp_out = architecture(control.model).block(1, architecture(control.model).mlp_out)
+    weight = control.model.get_submodule(mlp_out).weight
+    column = weight[0] if architecture(control.model).conv1d else weight[:, 0]
+    assert float(column.detach().abs().max()) == 0.0  # the planted neuron is zeroed in the control too
+
+
 def test_resume_during_damping_is_exact_and_the_config_round_trips(run_config, planted_model, tmp_path):
     config = with_overrides(planted_config(run_config, planted_model, steps=10), {"train.save_every": 5,
                                                                                   "train.max_steps": 24})

@@ -11,7 +11,7 @@ from lnfree.config import load_preset
 from lnfree.data import prepare_data
 from lnfree.models import load_base
 from lnfree.realtext import REALTEXT_MODEL_DIR, CorpusError, load_documents, sdist_path, split_documents
-from lnfree.realtext.corpus import SDIST_NAME
+from lnfree.realtext.corpus import SDIST_NAME, split_heldout
 from lnfree.tiny import encode_documents
 
 SUMMARY = json.loads((REALTEXT_MODEL_DIR / "training_summary.json").read_text())
@@ -61,25 +61,50 @@ def test_summary_split_and_heldout_ce_are_reproducible(base, documents):
     assert SUMMARY["heldout_ce"] < SUMMARY["log_vocab"] - 3  # far below the uniform guess (log vocab)
 
 
-def test_data_source_realtext_uses_the_models_own_split(base, documents, tmp_path):
+def _halves(documents):
+    """The train names and the held-out halves (validation, test), each a list of names."""
+    train, heldout = split_documents(list(documents))
+    return train, *split_heldout({n: len(documents[n]) for n in heldout})
+
+
+def test_heldout_documents_halve_into_validation_and_test_of_about_equal_text(documents):
+    train, validation, test = _halves(documents)
+    _, heldout = split_documents(list(documents))
+    assert sorted(validation + test) == heldout and not set(validation) & set(test) and not set(train) & set(heldout)
+    sizes = [sum(len(documents[n]) for n in part) for part in (validation, test)]
+    assert abs(sizes[0] - sizes[1]) < 0.05 * sum(sizes)  # balanced although one document is 22% of the text
+
+
+def test_data_source_realtext_trains_on_its_split_and_evaluates_on_validation(base, documents, tmp_path):
     _, tokenizer = base
     config = load_preset("realtext").data.model_copy(update={"max_documents": 10, "cache_dir": str(tmp_path)})
     data = prepare_data(config, tokenizer, 256, len(tokenizer))
-    train, heldout = split_documents(list(documents))
-    expected = encode_documents(tokenizer, [documents[n] for n in heldout])
+    train, validation, test = _halves(documents)
+    expected = encode_documents(tokenizer, [documents[n] for n in validation])
     assert data.held_out.reshape(-1).tolist() == expected[: data.held_out.size]
     first_train = encode_documents(tokenizer, [documents[n] for n in train[:10]])  # max_documents=10
     assert data.train.reshape(-1).tolist() == first_train[: data.train.size]
+    tested = prepare_data(config, tokenizer, 256, len(tokenizer), part="test")
+    assert tested.held_out.reshape(-1).tolist() == encode_documents(tokenizer, [documents[n] for n in test])[
+        : tested.held_out.size]
+    with pytest.raises(ValueError, match="only the realtext corpus"):
+        prepare_data(load_preset("tiny").data, tokenizer, 256, len(tokenizer), part="test")
 
 
-def test_eval_dataset_realtext_reads_the_heldout_documents(base, documents, tmp_path):
+@pytest.mark.parametrize("name, part", [("realtext", "test"), ("realtext-val", "validation")])
+def test_eval_dataset_realtext_reads_the_test_half_and_realtext_val_the_validation_half(base, documents, tmp_path,
+                                                                                      name, part):
     from lnfree.analysis.common import evaluation_tokens
+    from lnfree.evaluate import load_sequences, resolve_dataset
 
     _, tokenizer = base
-    tokens = evaluation_tokens(tokenizer, source="realtext", n_sequences=4, length=256, cache_dir=str(tmp_path))
-    _, heldout = split_documents(list(documents))
-    expected = encode_documents(tokenizer, [documents[n] for n in heldout])[: 4 * 256]
-    assert tokens.reshape(-1).tolist() == expected
+    tokens = evaluation_tokens(tokenizer, source=name, n_sequences=4, length=256, cache_dir=str(tmp_path))
+    names = dict(zip(("validation", "test"), _halves(documents)[1:]))[part]
+    stream = encode_documents(tokenizer, [documents[n] for n in names])
+    assert tokens.reshape(-1).tolist() == stream[: 4 * 256]
+    every = load_sequences(resolve_dataset(name), tokenizer, context=256, n_sequences=None, vocab_size=len(tokenizer),
+                           cache_dir=str(tmp_path))
+    assert len(every) == len(stream) // 256  # the whole half by default
 
 
 def test_a_missing_or_altered_corpus_names_the_fix(tmp_path):

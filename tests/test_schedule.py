@@ -8,7 +8,7 @@ from lnfree.config import RunConfig, load_preset, preset_names, with_overrides
 from lnfree.schedule import Schedule, ScheduleError, Stage, derive_schedule
 from lnfree.train import resolve_run
 
-# DESIGN.md §1: layers, first ln_2 step, ln_f step, released step, peak LR, min LR, warm-up, aux weight.
+# Baroni et al. 2025 (arXiv 2507.02559), their released configs: layers, first ln_2 step, ln_f step, released step, peak LR, min LR, warm-up, aux weight.
 PUBLISHED = {
     "gpt2": (12, 20, 104, 300, 6e-4, 3e-4, 25, 0.1),
     "gpt2-medium": (24, 20, 188, 500, 6e-4, 3e-4, 10, 0.1),

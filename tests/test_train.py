@@ -203,6 +203,8 @@ def test_a_save_killed_midway_is_ignored_resume_continues_and_a_finished_run_is_
     assert resumed.events == [r for r in lines if r.get("event") == "remove"]
     seconds = [r["seconds"] for r in lines if "loss" in r]
     assert seconds == sorted(seconds) and resumed.seconds >= seconds[-1]  # one clock over the whole run
+    cpu = [r["cpu_seconds"] for r in lines if "loss" in r]  # process CPU time, carried over the resume too
+    assert cpu == sorted(cpu) and cpu[-1] > 0
 
     files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # noqa: E731
     before = files()

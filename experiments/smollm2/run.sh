@@ -35,9 +35,9 @@ removal_run() {  # removal_run TAG EXTRA_ARGS...
 }
 
 run "$out/original/eval" lnfree eval smollm2-135m --labels original --dataset realtext --context 64 \
-  --n-sequences 66 --out "$out/original/eval"
+  --n-sequences 66 --out "$out/original/eval" --overwrite
 run "$out/original/analysis" lnfree analyze all --models smollm2-135m --labels original --data realtext \
-  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/original/analysis"
+  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/original/analysis" --overwrite
 [[ $which == original ]] && exit 0
 
 removal_run ln_free
@@ -46,9 +46,9 @@ mkdir -p "$REPO_ROOT/$out"
 run "$out/verify" lnfree verify "$runs/ln_free/export" --out "$out/verify.json"
 models=(smollm2-135m "$runs/vanilla" "$runs/ln_free/export")
 run "$out/eval" lnfree eval "${models[@]}" --labels original vanilla ln_free --dataset realtext --context 64 \
-  --n-sequences 66 --out "$out/eval"
+  --n-sequences 66 --out "$out/eval" --overwrite
 run "$out/analysis" lnfree analyze all --models "${models[@]}" --labels original vanilla ln_free --data realtext \
-  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/analysis"
+  --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu --out "$out/analysis" --overwrite
 [[ $DRY_RUN == 1 ]] && exit 0
 for tag in ln_free vanilla; do  # the runs' own records beside the results (not the weights)
   mkdir -p "$REPO_ROOT/$out/$tag"

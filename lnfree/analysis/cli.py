@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lnfree.analysis.report import write_index_pages
+from lnfree.analysis.report import headline_tables, write_index_pages
+from lnfree.cli_common import MODEL_NAMES_HELP, fail
 from lnfree.derived import clear_stale
 
 #: Analysis name on the command line → module with a `run(models, out_dir, ...)` function.
@@ -29,12 +30,16 @@ def run_analyses(
     names: list[str], sources: list[str], out: Path, *, labels: list[str] | None = None, data: str = "tiny",
     n_sequences: int = 32, length: int = 64, n_prompts: int = 32, seed: int = 0, n_bootstrap: int = 1000,
     batch_size: int = 8, device: str = "auto", cache_dir: str | None = None, progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Run the named analyses on the same models and tokens; write `out/NAME/…` and an index.
 
-    An analysis that cannot run on these models (:class:`NotApplicable`, e.g. IOI patching with a
-    tokenizer that has no single-token names) is skipped with its reason in the index's
-    ``skipped``; the others still run. Figures share one offline copy of plotly.js in `out`.
+    The index lists every analysis in `out`: one run earlier on the same models and settings stays
+    beside the new ones. A folder holding anything else, or an analysis run again, needs
+    `overwrite` (`lnfree.analysis.folder`). An analysis that cannot run on these models
+    (:class:`NotApplicable`, e.g. IOI patching with a tokenizer that has no single-token names) is
+    skipped with its reason in the index's ``skipped``; the others still run. Figures share one
+    offline copy of plotly.js in `out`.
     """
     from lnfree.analysis.common import (
         NotApplicable,
@@ -44,14 +49,19 @@ def run_analyses(
         quiet_libraries,  # fmt: skip
         shared_plotly_js,
     )
+    from lnfree.analysis.folder import check_folder, earlier_index, kept_analyses, remove_replaced
     from lnfree.data import bos_token, tokenizer_fingerprint
-    from lnfree.results import TIMINGS, write_summary
+    from lnfree.results import model_labels
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
         raise ValueError(f"unknown analysis {unknown[0]!r}; choose from {', '.join(ANALYSES)} or 'all'")
     if not sources:
         raise ValueError("give at least one model: --models A [B ...]")
+    settings = {"data": data, "n_sequences": n_sequences, "length": length, "n_prompts": n_prompts, "seed": seed,
+                "n_bootstrap": n_bootstrap}
+    keep = check_folder(out, names, dict(zip(model_labels(sources, labels), map(str, sources))), settings,
+                        overwrite=overwrite)
     with quiet_libraries(), shared_plotly_js(out):
         models = load_models(sources, labels, device=device)
         vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
@@ -65,20 +75,16 @@ def run_analyses(
             tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
                                        vocab_size=next(iter(vocab.values())), cache_dir=cache_dir,
                                        bos_token_id=bos_token(models[0].loaded.model, models[0].tokenizer))
-        summaries, skipped, timings = {}, {}, {}
+        remove_replaced(out, keep)
+        summaries, skipped, timings = kept_analyses(out, keep)
         for name in names:
             started = time.perf_counter()
-            module = importlib.import_module(ANALYSES[name])
-            kwargs = {"seed": seed, "n_bootstrap": n_bootstrap}
-            if name in NEEDS_TOKENS:
-                kwargs["tokens"] = tokens
-                if name in BATCHED:
-                    kwargs["batch_size"] = batch_size
-            else:
-                kwargs["n_prompts"] = n_prompts
+            kwargs = {"seed": seed, "n_bootstrap": n_bootstrap, **(
+                {"tokens": tokens, **({"batch_size": batch_size} if name in BATCHED else {})}
+                if name in NEEDS_TOKENS else {"n_prompts": n_prompts})}
             try:
                 with analysis_progress(models, name, enabled=progress):
-                    summary = module.run(models, out / name, **kwargs)
+                    summary = importlib.import_module(ANALYSES[name]).run(models, out / name, **kwargs)
             except NotApplicable as err:
                 skipped[name] = str(err)
                 typer.secho(f"{name}: skipped: {err}", fg=typer.colors.YELLOW, err=True)
@@ -86,16 +92,27 @@ def run_analyses(
             timings[name] = round(time.perf_counter() - started, 1)
             summaries[name] = summary
             typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {timings[name]} s → {out / name}")
+    earlier_tokens = (earlier_index(out) or {}).get("tokens") if keep else None
     index = {
         "models": {m.label: {"source": str(m.loaded.source), "repr": repr(m.loaded)} for m in models},
-        "data": data if tokens is not None else None,
-        "tokens": list(tokens.shape) if tokens is not None else None,
+        "data": data if tokens is not None or earlier_tokens else None,
+        "tokens": list(tokens.shape) if tokens is not None else earlier_tokens,
         "seed": seed,
+        "settings": settings,
         "analyses": summaries,
         "skipped": skipped,
     }
+    return _write_index(index, timings, out)
+
+
+def _write_index(index: dict, seconds: dict, out: Path) -> dict:
+    """Write index.json (analyses in `ANALYSES` order), timings.json and the index pages; returns the index."""
+    from lnfree.results import TIMINGS, write_summary
+
+    for key in ("analyses", "skipped"):
+        index[key] = {n: index[key][n] for n in ANALYSES if n in index[key]}
     write_summary(index, out, "index")
-    write_summary({"seconds": timings}, out, TIMINGS)
+    write_summary({"seconds": {n: seconds[n] for n in ANALYSES if n in seconds}}, out, TIMINGS)
     write_index_pages(index, out)
     clear_stale(out)
     return index
@@ -104,17 +121,18 @@ def run_analyses(
 def analyze(
     name: Annotated[str, typer.Argument(help=f"One of {', '.join(ANALYSES)}, or 'all'.")],
     more_models: Annotated[Optional[list[str]], typer.Argument(help="Further models after --models A.", show_default=False)] = None,
-    models: Annotated[Optional[list[str]], typer.Option("--models", "-m", help="Models (folders, Hub ids, 'tiny'): --models A B C.")] = None,
+    models: Annotated[Optional[list[str]], typer.Option("--models", "-m", help=f"Models (a name: {MODEL_NAMES_HELP}; folders, Hub ids): --models A B C.")] = None,
     labels: Annotated[Optional[str], typer.Option(help="One label per model, space- or comma-separated: original vanilla ln_free.")] = None,
-    data: Annotated[str, typer.Option(help="Token source for DLA, entropy neurons and residual norms: any `lnfree eval --dataset` (tiny, owt-val, pile, pile-filtered, a Hub id, a path).")] = "tiny",
-    n_sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 32,
-    length: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
-    n_prompts: Annotated[int, typer.Option(help="IOI prompts for patching.")] = 32,
-    n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for CIs.")] = 1000,
-    seed: Annotated[int, typer.Option()] = 0,
+    data: Annotated[str, typer.Option("--dataset", "--data", "-d", help="Token source for DLA, entropy neurons and residual norms: any `lnfree eval --dataset` (tiny, realtext, owt-val, pile, pile-filtered, a Hub id, a path).")] = "tiny",
+    n_sequences: Annotated[int, typer.Option(help="Held-out sequences.", min=1)] = 32,
+    length: Annotated[int, typer.Option(help="Tokens per sequence.", min=2)] = 64,
+    n_prompts: Annotated[int, typer.Option(help="IOI prompts for patching.", min=1)] = 32,
+    n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for CIs (0: none).", min=0)] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts, the neuron choice and the bootstrap.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass for DLA and residual norms (1 for GPT-2 XL DLA).", min=1)] = 8,
     device: Annotated[str, typer.Option(help="auto (CUDA if available), cpu, cuda, cuda:1, …")] = "auto",
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("runs/analysis"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder: new, empty, or holding analyses of the same models and settings (the index lists them all).")] = Path("runs/analysis"),
+    overwrite: Annotated[bool, typer.Option(help="Replace analyses already in --out (only files an analysis wrote) and write beside other files.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A progress bar per analysis.")] = True,
 ) -> None:
     """Run interpretability analyses (DLA vs DE, patching, entropy neurons, residual norms/sinks) on models.
@@ -128,13 +146,15 @@ def analyze(
     try:
         index = run_analyses(names, sources, out, labels=label_list, data=data, n_sequences=n_sequences,
                              length=length, n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap,
-                             batch_size=batch_size, device=device, progress=progress)  # fmt: skip
+                             batch_size=batch_size, device=device, progress=progress, overwrite=overwrite)  # fmt: skip
     except (ValueError, OSError) as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+        fail(str(err))
+    tables = headline_tables(index)
+    if tables:
+        typer.echo("\n" + tables)
     typer.echo(f"index: {out / 'index.html'} ({out / 'index.md'})")
-    if index["skipped"]:
-        skipped = ", ".join(index["skipped"])
+    if any(n in names for n in index["skipped"]):
+        skipped = ", ".join(n for n in index["skipped"] if n in names)
         typer.secho(f"error: skipped {skipped} (these models cannot support it, reason above and in "
                     f"{out / 'index.md'}); ran {', '.join(index['analyses']) or 'nothing else'}",
                     fg=typer.colors.RED, err=True)  # fmt: skip

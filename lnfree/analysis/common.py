@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lnfree.evaluate import load_sequences, resolve_dataset, resolve_device
+from lnfree.evaluate import EvalError, load_sequences, resolve_dataset, resolve_device
 from lnfree.load import LoadedModel, load
 from lnfree.results import model_labels
 
@@ -70,23 +70,28 @@ def _report_forwards(network: torch.nn.Module, model: AnalysisModel) -> None:
 
 @contextlib.contextmanager
 def analysis_progress(models: Sequence[AnalysisModel], name: str, *, enabled: bool = True) -> Iterator[Any]:
-    """A progress bar for one analysis: the forward passes run so far and the model running now.
+    """A progress bar for one analysis, counted in models (its total from the start): the model running
+    now and its forward passes.
 
-    An analysis runs the same passes for every model, so once the first model is done the bar's
-    total is its count times the number of models, and tqdm shows the ETA from then on.
+    An analysis runs the same passes for every model, one model after the other, so once the first
+    model is done each later pass advances the bar by 1 / (the first model's count), and tqdm shows
+    the ETA from then on.
     """
     from tqdm.auto import tqdm
 
-    bar = tqdm(desc=name, unit="pass", disable=not enabled, leave=False, dynamic_ncols=True)
-    first: list[str] = []
+    bar = tqdm(desc=name, total=len(models), disable=not enabled, leave=False, dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
+    passes: dict[str, int] = {}
 
     def tick(label: str) -> None:
-        if not first:
-            first.append(label)
-        elif bar.total is None and label != first[0]:
-            bar.total = bar.n * len(models)
-        bar.set_postfix_str(f"model={label}", refresh=False)
-        bar.update(1)
+        passes[label] = passes.get(label, 0) + 1
+        order = list(passes)
+        per_model = passes[order[0]] if len(order) > 1 else None
+        done = len(order) - 1 + (min(passes[label] / per_model, 1.0) if per_model else 0.0)
+        bar.update(done - bar.n)
+        count = f"pass {passes[label]}" + (f"/{per_model}" if per_model else "")
+        # shown at once when a model starts (whatever tqdm's refresh interval), else at tqdm's pace
+        bar.set_postfix_str(f"model {len(order)}/{len(models)} ({label}), {count}", refresh=passes[label] == 1)
 
     for model in models:
         model.on_forward = tick
@@ -158,8 +163,12 @@ def evaluation_tokens(
     `source` is anything `lnfree eval --dataset` takes: "tiny" (the bundled model's held-out
     synthetic text), "owt-val", "pile", "pile-filtered", a Hub dataset id (streamed) or a local path.
     """
-    sequences = load_sequences(resolve_dataset(source), tokenizer, context=length, n_sequences=n_sequences,
-                               vocab_size=vocab_size or len(tokenizer), cache_dir=cache_dir, bos_token_id=bos_token_id)
+    try:
+        sequences = load_sequences(resolve_dataset(source), tokenizer, context=length, n_sequences=n_sequences,
+                                   vocab_size=vocab_size or len(tokenizer), cache_dir=cache_dir,
+                                   bos_token_id=bos_token_id)
+    except EvalError as err:  # worded for `lnfree eval`, whose --context is --length here
+        raise EvalError(str(err).replace("--context", "--length")) from None
     return torch.from_numpy(sequences)
 
 

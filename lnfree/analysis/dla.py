@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.analysis.palette import BAR_LABEL, quantity_colour
 from lnfree.results import ratio_of_means_ci, write_summary, write_table
 from lnfree.attribution import (
     ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, residual_decomposition,
@@ -341,7 +342,7 @@ def _global_bar(summaries: dict[str, dict]):
         values = [summaries[m][key]["nmae"] for m in labels]
         upper = [summaries[m][key]["ci_high"] - summaries[m][key]["nmae"] for m in labels]
         lower = [summaries[m][key]["nmae"] - summaries[m][key]["ci_low"] for m in labels]
-        figure.add_bar(name=kind, x=labels, y=values,
+        figure.add_bar(name=kind, x=labels, y=values, marker_color=quantity_colour(kind), **BAR_LABEL,
                        error_y={"type": "data", "array": upper, "arrayminus": lower})
     figure.update_layout(barmode="group", title="Global NMAE of DLA vs DE (95% bootstrap CI over sequences)",
                          yaxis_title="Σ|DLA − DE| / Σ|DE|")

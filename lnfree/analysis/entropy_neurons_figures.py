@@ -7,6 +7,7 @@ from typing import Any
 import pandas as pd
 
 from lnfree.analysis.entropy_neurons_candidates import neuron_label
+from lnfree.analysis.palette import model_colours
 
 
 def figures(tables: dict[str, pd.DataFrame], set_names: list[str]) -> dict[str, Any]:
@@ -37,20 +38,19 @@ def candidates_figure(candidates: pd.DataFrame) -> Any:
 
 def distributions_figure(dist: pd.DataFrame, set_names: list[str], models: list[str]) -> Any:
     """Box plots of the per-token |ΔH| and |ΔCE| of each ablation and model, from the quantile table."""
-    import plotly.express as px
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     metrics = [("abs_delta_entropy", "|ΔH| (nats)"), ("abs_delta_ce", "|ΔCE| (nats)")]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=[t for _, t in metrics])
-    colours = px.colors.qualitative.Plotly
+    colours = model_colours(models)
     for row, (metric, _) in enumerate(metrics, start=1):
-        for j, model in enumerate(models):
+        for model in models:
             part = dist[(dist["model"] == model) & (dist["metric"] == metric)].set_index("ablation").loc[set_names]
             fig.add_trace(go.Box(
                 x=set_names, q1=part["q25"], median=part["median"], q3=part["q75"], lowerfence=part["q05"],
                 upperfence=part["q95"], mean=part["mean"], name=model, legendgroup=model, showlegend=row == 1,
-                marker_color=colours[j % len(colours)]), row=row, col=1)
+                marker_color=colours[model]), row=row, col=1)
     fig.update_layout(boxmode="group", title="Per-token effect of mean ablation (box: quartiles, whiskers: 5–95 %)")
     return fig
 
@@ -67,7 +67,8 @@ def cumulative_entropy_figure(abl: pd.DataFrame, set_names: list[str], models: l
     ], ignore_index=True)
     return px.line(
         curve.sort_values(["model", "n_neurons"], kind="stable"), x="n_neurons", y="relative_entropy_change_percent",
-        color="model", markers=True, title="Cumulative mean ablation: change of the mean output entropy",
+        color="model", color_discrete_map=model_colours(models), category_orders={"model": models}, markers=True,
+        title="Cumulative mean ablation: change of the mean output entropy",
         labels={"n_neurons": "neurons ablated together (in list order)",
                 "relative_entropy_change_percent": "Δ mean entropy (%)"})
 

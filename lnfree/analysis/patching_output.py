@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from lnfree.analysis.common import write_figure
+from lnfree.analysis.palette import BAR_LABEL, quantity_colour
 from lnfree.analysis.patching_agreement import agreement_per_prompt, agreement_summary
 from lnfree.analysis.patching_methods import PatchingResult
 from lnfree.results import write_table
@@ -124,7 +125,8 @@ def _scatter_figure(results: dict[str, PatchingResult]):
             a = res.activation[kind].numpy()[keep]
             b = res.attribution[kind].numpy()[keep]
             lo, hi = float(min(a.min(initial=0), b.min(initial=0))), float(max(a.max(initial=0), b.max(initial=0)))
-            fig.add_trace(go.Scattergl(x=a, y=b, mode="markers", marker={"size": 3, "opacity": 0.5},
+            fig.add_trace(go.Scattergl(x=a, y=b, mode="markers",
+                                       marker={"size": 3, "opacity": 0.5, "color": quantity_colour(kind)},
                                        name=f"{label} {kind}", showlegend=False), row=r, col=c)  # fmt: skip
             fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", line={"dash": "dot", "color": "grey"},
                                      showlegend=False), row=r, col=c)  # fmt: skip
@@ -148,7 +150,7 @@ def _agreement_figure(table: list[dict]):
             rows = [r for r in table if r["kind"] == kind and r["statistic"] == stat]
             fig.add_trace(go.Bar(
                 x=[r["model"] for r in rows], y=[r["value"] for r in rows], name=kind, legendgroup=kind,
-                showlegend=c == 1,
+                showlegend=c == 1, marker_color=quantity_colour(kind), **BAR_LABEL,
                 error_y={"type": "data", "symmetric": False,
                          "array": [r["ci_high"] - r["value"] for r in rows],
                          "arrayminus": [r["value"] - r["ci_low"] for r in rows]},

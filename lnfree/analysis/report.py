@@ -94,6 +94,16 @@ def _md_table(labels: list[str], rows: dict[str, dict[str, str]]) -> list[str]:
             *(f"| {metric} | " + " | ".join(values.get(l, "") for l in labels) + " |" for metric, values in rows.items())]
 
 
+def headline_tables(index: dict) -> str:
+    """The headline numbers of every analysis in `index` as markdown tables (what `lnfree analyze` prints)."""
+    labels, lines = list(index["models"]), []
+    for name, summary in index["analyses"].items():
+        headlines = headline_numbers(name, summary)
+        if headlines:
+            lines += [f"## {name}", "", *_md_table(labels, headlines), ""]
+    return "\n".join(lines)
+
+
 def write_index_pages(index: dict, out: Path) -> None:
     """`index.html` (headline tables first, then every figure inline) and `index.md`, relative to `out`."""
     labels = list(index["models"])

@@ -33,6 +33,7 @@ import torch
 
 from lnfree.arch import architecture
 from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.analysis.palette import model_colours
 from lnfree.results import bootstrap_ci, write_summary, write_table
 from lnfree.bridge import hook_name
 
@@ -186,12 +187,13 @@ def _norm_figure(table):
     import plotly.graph_objects as go
 
     figure = go.Figure()
+    colours = model_colours(list(dict.fromkeys(table["model"])))
     for (label, positions), part in table.groupby(["model", "positions"], sort=False):
         part = part.sort_values("layer")
         figure.add_scatter(
             x=part["layer"], y=part["mean_norm"], mode="lines+markers",
             name=f"{label}, position {'0' if positions == '0' else '1+ (mean)'}",
-            line={"dash": "solid" if positions == "0" else "dot"},
+            line={"dash": "solid" if positions == "0" else "dot", "color": colours[label]},
             error_y={"type": "data", "array": part["ci_high"] - part["mean_norm"],
                      "arrayminus": part["mean_norm"] - part["ci_low"]},
         )
@@ -262,13 +264,16 @@ def run(
             rate_rows.append({"model": model.label, "definition": definition, "threshold": threshold,
                               "exclude_first_query": exclude_first_query, "sink_rate": rate})
         by_layer = {(r["layer"], r["positions"]): r["mean_norm"] for r in rows}
+        ratios = [by_layer[(layer, "0")] / by_layer[(layer, "1+")] for layer in range(n_layers + 1)]
         per_model[model.label] = {
             "ln_free": bool(model.ln_free),
             "sink_rate": rates,
             "norm_position_0": [by_layer[(layer, "0")] for layer in range(n_layers + 1)],
             "norm_other_positions": [by_layer[(layer, "1+")] for layer in range(n_layers + 1)],
-            "max_norm_ratio_position_0": max(by_layer[(layer, "0")] / by_layer[(layer, "1+")]
-                                             for layer in range(n_layers + 1)),
+            # per layer (entry 0: the embedding, which position 0 shares with every token in RoPE families)
+            "norm_ratio_position_0": ratios,
+            "max_norm_ratio_position_0": max(ratios),
+            "max_norm_ratio_position_0_after_block_0": max(ratios[1:]),
         }
         figures += write_figure(_sink_heatmap(means.numpy(), model.label, threshold), out_dir,
                                 f"attention_to_first_{model.label}")

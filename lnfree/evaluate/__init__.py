@@ -12,6 +12,9 @@ each followed by EOT, concatenated (pre-tokenised rows are concatenated as they 
 consecutive L-token sequences; the first N are evaluated. Named presets:
 
 - ``tiny``: the bundled tiny model's held-out synthetic text (the sequences its removal run reports);
+- ``realtext``: the *test* half of the realtext corpus's held-out documents (Django documentation),
+  every sequence: no run evaluates on it and no choice is made on it; ``realtext-val``: the
+  validation half, what runs evaluate on while training;
 - ``owt-val``: the nanoGPT validation split of OpenWebText (``Skylion007/openwebtext``, Parquet
   revision, ``train_test_split(test_size=0.0005, seed=2357)``), 1024-token sequences;
 - ``pile``: ``apollo-research/monology-pile-uncopyrighted-tokenizer-gpt2`` (pre-tokenised; streamed),
@@ -22,16 +25,18 @@ consecutive L-token sequences; the first N are evaluated. Named presets:
 Anything else is a local file/folder (``.txt``, ``.jsonl``, ``.parquet``, ``save_to_disk``, ``.npy``
 token stream; the whole file is evaluation data) or a Hugging Face dataset id (streamed).
 
-Per model (`summaries`): mean CE with a bootstrap CI over sequences, median, p95, p99, p99.9, max, the tokens
+Per model (`summaries`): mean CE with a bootstrap CI over blocks of neighbouring sequences (a
+moving-block bootstrap: sequences cut from one document are not independent), median, p95, p99, p99.9, max, the tokens
 whose CE exceeds a threshold (with their context), entropy, top-1 accuracy and ECE, CE and entropy
 by context-position bins. Per pair of models on the same tokens: per-token Jensen–Shannon
-divergence and the paired CE difference, with bootstrap CIs over sequences (never over i.i.d.
+divergence and the paired CE difference, with the same block-bootstrap CIs (never over i.i.d.
 tokens). Outputs: per-model JSON and CSV, ``comparison.md``/``.csv``, ``pairwise.csv``,
 ``positions.csv``, ``outliers.csv`` and ``summary.json``.
 
 One module per step: `datasets` (the token sequences), `models` (the models under their labels),
 `scoring` (per-token statistics), `summaries` (distributions, outliers, pairs), `run` (the whole
-evaluation), `output` (the report's files) and `benchmarks` (lm-evaluation-harness). Everything a user
+evaluation), `output` (the report's files), `benchmarks` (lm-evaluation-harness) and `stress`
+(robustness: the test split, repeated-token probes and a vocabulary sweep; `lnfree stress`). Everything a user
 calls is importable from `lnfree.evaluate`.
 """
 

@@ -33,13 +33,14 @@ class DatasetPreset:
     name: str
     description: str
     source: str  # a bundled preset ("tiny", "realtext") or a Hub dataset id
-    how: str  # "tiny" (a bundled model's own held-out split, per its preset) | "heldout-split" | "stream"
+    how: str  # "bundled" (a bundled corpus's held-out `part`, per its preset) | "heldout-split" | "stream"
     context: int | None
     n_sequences: int | None  # None: every sequence the set holds
     revision: str | None = None
     split: str = "train"
     val_fraction: float | None = None
     val_seed: int | None = None
+    part: str = "validation"  # "bundled": the held-out part (`lnfree.data.prepare_data`)
 
 
 def _owt_preset() -> DatasetPreset:
@@ -53,9 +54,12 @@ def _owt_preset() -> DatasetPreset:
 def presets() -> dict[str, DatasetPreset]:
     """The named evaluation sets (`tiny`, `realtext`, `owt-val`, `pile`, `pile-filtered`)."""
     return {
-        "tiny": DatasetPreset("tiny", "the bundled tiny model's held-out synthetic text", "tiny", "tiny", None, None),
-        "realtext": DatasetPreset("realtext", "held-out Django documentation (the realtext model's split)",
-                                  "realtext", "tiny", None, None),
+        "tiny": DatasetPreset("tiny", "the bundled tiny model's held-out synthetic text", "tiny", "bundled", None, 64),
+        "realtext": DatasetPreset("realtext", "Django documentation, the test half of the held-out documents "
+                                  "(no run or choice reads it)", "realtext", "bundled", None, None, part="test"),
+        "realtext-val": DatasetPreset("realtext-val", "Django documentation, the validation half of the held-out "
+                                      "documents (what runs evaluate on while training)", "realtext", "bundled",
+                                      None, None),
         "owt-val": _owt_preset(),
         "pile": DatasetPreset(
             "pile", "the Pile (uncopyrighted), GPT-2 tokens, first 10k x 1024",
@@ -74,7 +78,7 @@ class DatasetSpec:
 
     name: str
     source: str
-    how: str  # "tiny" | "heldout-split" | "stream" | "local" | "npy"
+    how: str  # "bundled" | "heldout-split" | "stream" | "local" | "npy"
     context: int | None = None
     n_sequences: int | None = None
     revision: str | None = None
@@ -83,6 +87,7 @@ class DatasetSpec:
     val_fraction: float | None = None
     val_seed: int | None = None
     description: str = ""
+    part: str = "validation"
 
 
 def resolve_dataset(
@@ -93,7 +98,7 @@ def resolve_dataset(
     if name in named:
         p = named[name]
         return DatasetSpec(p.name, p.source, p.how, p.context, p.n_sequences, revision or p.revision,
-                           split or p.split, text_field, p.val_fraction, p.val_seed, p.description)
+                           split or p.split, text_field, p.val_fraction, p.val_seed, p.description, p.part)
     path = Path(name).expanduser()
     if path.exists():
         how = "npy" if path.suffix == ".npy" else "local"
@@ -189,12 +194,12 @@ def load_sequences(
     cached under ``~/.cache/lnfree/eval``. `n_sequences` None takes every full sequence. With
     `bos_token_id` (models that need one: `lnfree.data.bos_token`), each is that token and context − 1 tokens.
     """
-    if bos_token_id is not None and spec.how != "tiny":  # a document's own BOS may remain inside a sequence
+    if bos_token_id is not None and spec.how != "bundled":  # a document's own BOS may remain inside a sequence
         return prepend_bos(load_sequences(spec, tokenizer, context=context - 1, n_sequences=n_sequences,
                                           vocab_size=vocab_size, cache_dir=cache_dir, progress=progress), bos_token_id)
-    if spec.how == "tiny":
+    if spec.how == "bundled":
         config = load_preset(spec.source).data.model_copy(update={"context_length": context, "cache_dir": cache_dir})
-        held_out = prepare_data(config, tokenizer, context, vocab_size, bos_token_id).held_out
+        held_out = prepare_data(config, tokenizer, context, vocab_size, bos_token_id, part=spec.part).held_out
         sequences = np.asarray(held_out[: n_sequences or len(held_out)], dtype=np.int64)
     elif spec.how == "npy":
         stream = np.load(spec.source, mmap_mode="r")

@@ -43,15 +43,25 @@ class EvalModel:
 
     @property
     def n_positions(self) -> int | None:
+        """The longest context the model takes (GPT-2's n_positions, else max_position_embeddings)."""
         config = getattr(self.module, "config", None)
-        return getattr(config, "n_positions", None)
+        return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' → CUDA when available, else CPU; anything else as torch spells it."""
+    """'auto' → CUDA when available, else CPU; anything else as torch spells it, if this torch has it."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise EvalError(f"unknown device {device!r} ({err}); use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"device {device!r}: this torch build has no usable CUDA (torch {torch.__version__}); "
+                        "use --device cpu (or auto)")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise EvalError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return resolved
 
 
 def _plain_module(source: str, dtype: torch.dtype) -> nn.Module:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lnfree.derived import clear_stale
+from lnfree.derived import STALE_MARKER, clear_stale
+from lnfree.evaluate.datasets import EvalError
 from lnfree.evaluate.run import EvalReport
 from lnfree.evaluate.scoring import UNITS
 from lnfree.evaluate.summaries import sequence_table
@@ -93,28 +94,67 @@ def markdown(report: EvalReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _remove_previous_report(out: Path) -> None:
-    """One folder holds one evaluation: the files an earlier report listed in its summary.json go first
-    (a file the user put beside them stays)."""
-    previous = out / "summary.json"
-    if not previous.is_file():
-        return
+#: The tables every evaluation writes (each as NAME.csv), besides one JSON + CSV per model.
+TABLES = ("comparison", "pairwise", "positions", "outliers")
+
+
+def report_files(labels: list[str], *, save_tokens: bool = False) -> list[str]:
+    """The names of the files `write_report` writes for models with these labels."""
+    per_model = [f"{_safe(label)}{ext}" for label in labels for ext in (".json", ".csv")]
+    return per_model + [f"{t}.csv" for t in TABLES] + ["comparison.md"] + ["tokens.npz"] * save_tokens + ["summary.json"]
+
+
+def earlier_report(out: Path) -> list[str] | None:
+    """The files an earlier `lnfree eval` in `out` wrote (as its summary.json lists them), or None if there is none."""
     try:
-        files = json.loads(previous.read_text()).get("files", [])
-    except (ValueError, AttributeError):
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    files = summary.get("files") if isinstance(summary, dict) and "convention" in summary else None
+    return [f for f in files if isinstance(f, str) and Path(f).name == f] if isinstance(files, list) else None
+
+
+def check_output_folder(out: str | Path, labels: list[str], *, overwrite: bool = False, save_tokens: bool = False) -> None:
+    """Raise `EvalError` unless `out` may take an evaluation of models with these labels.
+
+    A folder that holds anything needs `overwrite`, which replaces only the files an earlier
+    evaluation there wrote; a file of the new report's names that no evaluation wrote (a summary.json
+    of yours or of a run) is never replaced.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        if out.exists():
+            raise EvalError(f"{out} is a file, not a folder; choose another folder (CLI: --out)")
         return
-    for name in files:
-        if isinstance(name, str) and Path(name).name == name:  # plain names inside `out` only
-            (out / name).unlink(missing_ok=True)
+    ours = set(earlier_report(out) or ()) | {STALE_MARKER}
+    foreign = [name for name in report_files(labels, save_tokens=save_tokens) if (out / name).exists() and name not in ours]
+    if foreign:
+        raise EvalError(f"{out / foreign[0]} was not written by lnfree eval and would be replaced; choose another "
+                        "folder (CLI: --out)")
+    if any(out.iterdir()) and not overwrite:
+        what = "an earlier evaluation" if earlier_report(out) is not None else "other files"
+        raise EvalError(f"{out} already holds {what}; write into it with overwrite=True (CLI: --overwrite), which "
+                        "removes only the files an evaluation wrote, or choose another folder (CLI: --out)")
 
 
-def write_report(report: EvalReport, out_dir: str | Path, *, save_tokens: bool = False) -> list[Path]:
-    """Write per-model JSON/CSV, the comparison (md, csv), pairwise, position and outlier tables, summary.json."""
+def _remove_earlier_report(out: Path) -> None:
+    """The files an earlier evaluation listed in its summary.json (a file the user put beside them stays)."""
+    for name in earlier_report(out) or ():
+        (out / name).unlink(missing_ok=True)
+
+
+def write_report(report: EvalReport, out_dir: str | Path, *, save_tokens: bool = False, overwrite: bool = False) -> list[Path]:
+    """Write per-model JSON/CSV, the comparison (md, csv), pairwise, position and outlier tables, summary.json.
+
+    `out_dir` must be empty or new, or `overwrite` given: then an earlier evaluation's files there are
+    replaced, and nothing else (`check_output_folder`).
+    """
     import pandas as pd
 
     out = Path(out_dir)
+    check_output_folder(out, [m.label for m in report.models], overwrite=overwrite, save_tokens=save_tokens)
     out.mkdir(parents=True, exist_ok=True)
-    _remove_previous_report(out)
+    _remove_earlier_report(out)
     clear_stale(out)
     written = []
     shared = {"dataset": report.dataset, "settings": report.settings, "convention": report.convention, "units": UNITS}

@@ -13,6 +13,7 @@ from lnfree.evaluate.benchmarks import BENCHMARKS, _require_lm_eval
 from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
 from lnfree.evaluate.models import EvalModel, load_models, resolve_device
 from lnfree.evaluate.scoring import SCORING_CONVENTION, UNITS, TokenScores, score
+from lnfree.results import auto_block
 from lnfree.evaluate.summaries import (
     DEFAULT_THRESHOLD,
     ECE_BINS,
@@ -69,13 +70,14 @@ def evaluate_models(
     models: Sequence[EvalModel], tokens: torch.Tensor | Mapping[str, torch.Tensor], *, dataset: dict | None = None,
     batch_size: int = 8, device: str = "cpu", threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
     n_resamples: int = 1000, max_outliers: int = 50, reference: str | None = None, pairwise: bool | None = None,
-    progress: bool = False,
+    progress: bool = False, bootstrap_block: int | None = None,
 ) -> EvalReport:
     """Score `models` on `tokens` ((N, L) ids, or one tensor per label) and summarise.
 
     Models that share a tokenizer share tokens; pairwise comparison (JSD, paired ΔCE) runs by
     default whenever two or more models score identical tokens; `pairwise=True` demands it for
-    all models (an error if their tokens or vocabularies differ), False switches it off.
+    all models (an error if their tokens or vocabularies differ), False switches it off. Every CI
+    resamples blocks of `bootstrap_block` neighbouring sequences (default `lnfree.results.auto_block`).
     """
     labels = [m.label for m in models]
     by_label = dict(tokens) if isinstance(tokens, Mapping) else {label: tokens for label in labels}
@@ -96,8 +98,11 @@ def evaluate_models(
                      pairs=group_pairs, progress=progress)
         scores.update(s)
         jsd.update(j)
-    results = [summarise_model(m, scores[m.label], by_label[m.label], threshold=threshold, n_resamples=n_resamples,
-                               seed=seed, max_outliers=max_outliers) for m in models]
+    n_rows = next(iter(by_label.values())).shape[0]
+    block = bootstrap_block or auto_block(n_rows)
+    boot = {"n_resamples": n_resamples, "seed": seed, "block": block}
+    results = [summarise_model(m, scores[m.label], by_label[m.label], threshold=threshold, max_outliers=max_outliers,
+                               **boot) for m in models]
     for result in results:  # each outlier token's CE under the other models on the same tokens
         for item in result.outliers:
             item.other_models_ce = {
@@ -108,14 +113,15 @@ def evaluate_models(
         if ref is not None and result.label != ref and by_label[result.label] is by_label[ref]:
             result.reference = ref
             result.delta_ce_vs_reference, result.delta_ce_vs_reference_ci = paired_delta(
-                scores[ref].ce, scores[result.label].ce, n_resamples=n_resamples, seed=seed)
+                scores[ref].ce, scores[result.label].ce, **boot)
     pair_results = []
     for a, b in pairs:
-        delta, delta_ci = paired_delta(scores[a].ce, scores[b].ce, n_resamples=n_resamples, seed=seed)
-        pair_results.append(PairResult(a, b, jsd[(a, b)].numel(),
-                                       distribution(jsd[(a, b)], n_resamples=n_resamples, seed=seed), delta, delta_ci))
+        delta, delta_ci = paired_delta(scores[a].ce, scores[b].ce, **boot)
+        pair_results.append(PairResult(a, b, jsd[(a, b)].numel(), distribution(jsd[(a, b)], **boot), delta, delta_ci))
     settings = {"batch_size": batch_size, "device": str(resolve_device(str(device))), "threshold": threshold, "seed": seed,
-                "bootstrap_resamples": n_resamples, "ci_level": 0.95, "bootstrap_unit": "sequence",
+                "bootstrap_resamples": n_resamples, "ci_level": 0.95,
+                "bootstrap_unit": f"blocks of {block} neighbouring sequences (circular moving-block bootstrap)",
+                "bootstrap_block": block,
                 "ece_bins": ECE_BINS, "max_outliers": max_outliers}
     return EvalReport(dataset or {}, settings, SCORING_CONVENTION, ref, results, pair_results, scores, jsd, by_label)
 
@@ -123,6 +129,16 @@ def evaluate_models(
 def _bos(model: EvalModel) -> int | None:
     config = getattr(model.module, "config", None)
     return bos_token(config, model.tokenizer) if config is not None else None
+
+
+#: The context a model gets when neither --context nor the dataset preset gives one, at most (GPT-2's;
+#: a modern model's max_position_embeddings, e.g. Gemma 3's 32,768, is no length to score on a CPU).
+MAX_DEFAULT_CONTEXT = 1024
+
+
+def default_context(preset_context: int | None, positions: Sequence[int]) -> int:
+    """The dataset preset's context, else `MAX_DEFAULT_CONTEXT`; in both cases at most every model's longest."""
+    return min([preset_context or MAX_DEFAULT_CONTEXT, *positions])
 
 
 def evaluate(
@@ -134,9 +150,10 @@ def evaluate(
 ) -> EvalReport:
     """Load models, read the dataset's first sequences once per tokenizer, and `evaluate_models`.
 
-    `n_sequences` and `context` default to the dataset preset's (tiny: 64 × 128, the sequences its
+    `n_sequences` and `context` default to the dataset preset's (tiny: 64 sequences, the ones its
     removal run reports; owt-val: the whole split; pile, pile-filtered: 10,000 × 1024; a Hub id:
-    1,000; a local file: all of it); the context must fit every model. `benchmarks` (e.g.
+    1,000; a local file: all of it); without a preset's context, the models' longest context up to
+    `MAX_DEFAULT_CONTEXT` (`default_context`). The context must fit every model. `benchmarks` (e.g.
     ``["hellaswag"]``, needs lm-evaluation-harness) run on each model after scoring; `options` go to
     `evaluate_models`.
     """
@@ -145,13 +162,15 @@ def evaluate(
         if name not in BENCHMARKS:
             raise EvalError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
         _require_lm_eval()  # fail before the long part, not after it
+    resolve_device(device)  # an unusable device fails before the models load
     models = load_models(sources, labels, form=form, dtype=dtype)
     positions = [m.n_positions for m in models if m.n_positions]
-    context = context or spec.context or min(positions)
-    if positions and context > min(positions):
-        raise EvalError(f"context {context} exceeds a model's n_positions ({min(positions)}); pass --context")
+    if context is None:
+        context = default_context(spec.context, positions)
+    elif positions and context > min(positions):
+        raise EvalError(f"context {context} exceeds a model's longest context ({min(positions)}); lower --context")
     if n_sequences is None:
-        n_sequences = spec.n_sequences if spec.how != "tiny" else 64
+        n_sequences = spec.n_sequences
         if n_sequences is None and spec.how == "stream":
             n_sequences = 1000
     fingerprints = {m.label: tokenizer_fingerprint(m.tokenizer) for m in models}

@@ -32,12 +32,13 @@ class Distribution:
     std: float
 
 
-def distribution(values: torch.Tensor, *, n_resamples: int = 1000, seed: int = 0) -> Distribution:
-    """Summarise (N, L−1) per-token values; the CI resamples sequences (rows)."""
+def distribution(values: torch.Tensor, *, n_resamples: int = 1000, seed: int = 0, block: int = 1) -> Distribution:
+    """Summarise (N, L−1) per-token values; the CI resamples sequences (rows), in blocks of `block`
+    neighbouring sequences (`lnfree.results.bootstrap_ci`)."""
     flat = values.double().flatten().numpy()
     median, p95, p99, p999 = np.percentile(flat, [50, 95, 99, 99.9])
     per_sequence = values.double().mean(dim=1).numpy()  # equal token counts: mean of means = mean
-    ci = bootstrap_ci(per_sequence, n_resamples=n_resamples, seed=seed)
+    ci = bootstrap_ci(per_sequence, n_resamples=n_resamples, seed=seed, block=block)
     return Distribution(float(flat.mean()), ci, float(median), float(p95), float(p99), float(p999),
                         float(flat.max()), float(flat.std()))
 
@@ -167,30 +168,32 @@ class PairResult:
     delta_ce_ci: tuple[float, float]
 
 
-def paired_delta(ce_a: torch.Tensor, ce_b: torch.Tensor, *, n_resamples: int, seed: int) -> tuple[float, tuple]:
-    """Mean of ce_b − ce_a and its bootstrap CI over sequences (paired: same tokens)."""
+def paired_delta(ce_a: torch.Tensor, ce_b: torch.Tensor, *, n_resamples: int, seed: int,
+                 block: int = 1) -> tuple[float, tuple]:
+    """Mean of ce_b − ce_a and its bootstrap CI over sequences, in blocks of `block` (paired: same tokens)."""
     per_sequence = (ce_b.double() - ce_a.double()).mean(dim=1).numpy()
-    return float(per_sequence.mean()), bootstrap_ci(per_sequence, n_resamples=n_resamples, seed=seed)
+    return float(per_sequence.mean()), bootstrap_ci(per_sequence, n_resamples=n_resamples, seed=seed, block=block)
 
 
 def summarise_model(
     model: EvalModel, scores: TokenScores, tokens: torch.Tensor, *, threshold: float, n_resamples: int, seed: int,
-    max_outliers: int,
+    max_outliers: int, block: int = 1,
 ) -> ModelResult:
     """Distribution, outliers, entropy, calibration and position bins of one model's scores."""
     n, width = scores.ce.shape
     correct = scores.top1 == tokens[:, 1:]
     bins = calibration_bins(scores.confidence, correct)
-    ece_ci = bootstrap_ci(bins, statistic=ece_from_bins, n_resamples=n_resamples, seed=seed)
+    boot = {"n_resamples": n_resamples, "seed": seed, "block": block}
+    ece_ci = bootstrap_ci(bins, statistic=ece_from_bins, **boot)
     count, listed = outliers(scores, tokens, model.tokenizer, threshold, limit=max_outliers)
     below = scores.ce[scores.ce <= threshold].double()
     return ModelResult(
         label=model.label, source=model.source, kind=model.stored_as, form=model.form, dtype=model.dtype,
         fully_ln_free=model.fully_ln_free, sequences=n, context=width + 1, scored_tokens=n * width,
-        ce=distribution(scores.ce, n_resamples=n_resamples, seed=seed), threshold=threshold,
+        ce=distribution(scores.ce, **boot), threshold=threshold,
         tokens_above_threshold=count, sequences_with_outliers=int((scores.ce > threshold).any(dim=1).sum()),
         mean_ce_at_or_below_threshold=float(below.mean()) if below.numel() else float("nan"),
-        entropy=distribution(scores.entropy, n_resamples=n_resamples, seed=seed),
+        entropy=distribution(scores.entropy, **boot),
         top1_accuracy=float(correct.double().mean()), ece=ece_from_bins(bins), ece_ci=ece_ci,
         by_position=by_position(scores), outliers=listed,
     )

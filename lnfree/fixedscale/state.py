@@ -100,6 +100,7 @@ class ScaleState(nn.Module):
         self._pending_numel = 0
         self.context: TokenContext | None = None
         self.collecting = False  # set by `surgery.initialise_sigmas` to gather statistics in eval mode
+        self.paused = False  # set by `surgery.statistics_paused`: a training forward on inputs that are not text
         # A training-time guard (lnfree.ceiling), never saved: a fixed or blending norm divides by at
         # least (real per-token scale) / ceiling, so no token leaves a fixed norm above `ceiling`× σ.
         self.ceiling = math.inf
@@ -212,7 +213,9 @@ class ScaleState(nn.Module):
     def gathering(self) -> bool:
         """True when a forward should feed the statistics: a real norm in a grad-enabled training
         pass, or an explicit measurement. A user's no-grad metric in train mode does not move σ."""
-        return not (self.is_fixed or self.is_blending) and ((self.training and torch.is_grad_enabled()) or self.collecting)
+        if self.paused or self.is_fixed or self.is_blending:
+            return False
+        return (self.training and torch.is_grad_enabled()) or self.collecting
 
     # ----- statistics -----
     @property

@@ -13,7 +13,7 @@ from lnfree.realtext.tokenizer import EOT_TOKEN, build_tokenizer
 # The corpus names load lazily (PEP 562): `python -m lnfree.realtext.corpus` then runs a module that the
 # package has not imported yet, and runpy has nothing to warn about.
 _CORPUS_NAMES = ("HELDOUT_FRACTION", "SPLIT_SEED", "CorpusError", "fetch_command", "load_documents", "sdist_path",
-                 "split_documents", "train_and_heldout")
+                 "split_documents", "split_heldout", "train_and_heldout", "HELD_OUT_PARTS")
 
 __all__ = ["REALTEXT_MODEL_DIR", "EOT_TOKEN", "build_tokenizer", *_CORPUS_NAMES]
 

@@ -8,6 +8,10 @@ one document. The sdist is fetched once with pip into a cache::
     python -m pip download --no-deps --no-binary :all: django==5.2.8 -d ~/.cache/lnfree/realtext
 
 and checked against its sha256, so every machine reads byte-identical documents.
+
+The documents split three ways, whole files only: train (92%), and the held-out 8% halved into a
+*validation* part (what a run evaluates while it trains, and every choice of a step, a config or a
+pilot) and a *test* part that only the final evaluation reads (`lnfree eval --dataset realtext`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from lnfree.layout import file_sha256
 
 __all__ = [
     "SDIST_NAME", "SDIST_SHA256", "CorpusError", "fetch_command", "sdist_path", "load_documents",
-    "split_documents", "train_and_heldout",
+    "split_documents", "split_heldout", "train_and_heldout", "HELD_OUT_PARTS",
 ]
 
 DJANGO_VERSION = "5.2.8"
@@ -31,6 +35,10 @@ SDIST_SHA256 = "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f
 #: Share of documents held out (whole files), and the seed of the shuffle that picks them.
 HELDOUT_FRACTION = 0.08
 SPLIT_SEED = 0
+#: The seed of the shuffle that halves the held-out documents into validation and test.
+TEST_SPLIT_SEED = 1
+#: The held-out parts a caller may ask for.
+HELD_OUT_PARTS = ("validation", "test")
 _DOCS_PREFIX = f"django-{DJANGO_VERSION}/docs/"
 _SKIPPED = ("_theme/", "requirements.txt")  # HTML-theme licence text and a pip requirements list
 
@@ -90,11 +98,30 @@ def split_documents(
     return sorted(order[n_heldout:]), sorted(order[:n_heldout])
 
 
-def train_and_heldout(cache_dir: Path | None = None) -> tuple[list[str], list[str]]:
-    """The texts of the train and held-out documents, each list in sorted-path order."""
+def split_heldout(sizes: dict[str, int], seed: int = TEST_SPLIT_SEED) -> tuple[list[str], list[str]]:
+    """(validation, test) names of held-out documents: in a seeded shuffle, each document goes to the
+    part with fewer characters so far, so that the halves hold about the same amount of text (one
+    document is 22% of the held-out text)."""
+    order = sorted(sizes)
+    random.Random(seed).shuffle(order)
+    parts: tuple[list[str], list[str]] = ([], [])
+    totals = [0, 0]
+    for name in order:
+        side = 0 if totals[0] <= totals[1] else 1
+        parts[side].append(name)
+        totals[side] += sizes[name]
+    return sorted(parts[0]), sorted(parts[1])
+
+
+def train_and_heldout(cache_dir: Path | None = None, part: str = "validation") -> tuple[list[str], list[str]]:
+    """The texts of the train documents and of one held-out `part` ("validation" or "test"), each
+    list in sorted-path order."""
+    if part not in HELD_OUT_PARTS:
+        raise ValueError(f"unknown held-out part {part!r}; use one of {', '.join(HELD_OUT_PARTS)}")
     docs = load_documents(cache_dir)
     train, heldout = split_documents(list(docs))
-    return [docs[n] for n in train], [docs[n] for n in heldout]
+    halves = dict(zip(HELD_OUT_PARTS, split_heldout({n: len(docs[n]) for n in heldout})))
+    return [docs[n] for n in train], [docs[n] for n in halves[part]]
 
 
 if __name__ == "__main__":  # `python -m lnfree.realtext.corpus`: fetch and check the corpus (a setup step)

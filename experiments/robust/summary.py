@@ -1,0 +1,93 @@
+"""summary.json of a robust removal (experiments/robust/run.sh), from the runs' and the checks' own outputs.
+
+    python experiments/robust/summary.py --runs runs/robust/gemma3 --out experiments/results/gemma3-270m/robust \
+        --command "experiments/robust/run.sh gemma3"
+
+Reads RUNS/ln_free and RUNS/vanilla (log.jsonl, run config, the removal state of the latest checkpoint),
+OUT/eval/summary.json (test CE on the whole test split, block-bootstrap CI of the difference),
+OUT/stress/stress.json (`lnfree stress`), OUT/verify.json and OUT/analysis/index.json (per-block position-0
+residual norm ratios). Copies each run's log and config beside the summary. Nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+
+STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
+                 "repeated_probes", "vocab_overflow", "vocab_covered", "vocab_size", "max_growth_vs_first",
+                 "overflow_total")
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: run experiments/robust/run.sh first")
+    return json.loads(path.read_text())
+
+
+def cpu_hours(run: Path) -> float:
+    """Process CPU time of a run's training (its log's last `cpu_seconds`, resumes included), in hours."""
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return round(max(r.get("cpu_seconds", 0.0) for r in records) / 3600, 3)
+
+
+def test_ce(evaluation: dict) -> dict:
+    """Mean test CE per model, the scored tokens and the LN-free − vanilla difference with its CI."""
+    ce = {m["label"]: m["ce"]["mean"] for m in evaluation["models"]}
+    ln_free = next(m for m in evaluation["models"] if m["label"] == "ln_free")
+    return {**ce, "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
+            "ln_free_minus_vanilla": ln_free["delta_ce_vs_reference"], "ci": ln_free["delta_ce_vs_reference_ci"],
+            "ci_method": evaluation["settings"]["bootstrap_unit"], "reference": ln_free["reference"]}
+
+
+def position0(out: Path) -> dict:
+    """Per model, position 0's residual norm over the other positions' at every layer (entry 0: the embedding)."""
+    models = _json(out / "analysis" / "index.json")["analyses"]["residual"]["models"]
+    return {label: {"per_layer": m["norm_ratio_position_0"],
+                    "max_after_block_0": m["max_norm_ratio_position_0_after_block_0"]} for label, m in models.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--command", required=True, help="the command that reproduces the model")
+    args = parser.parse_args()
+    run, control = args.runs / "ln_free", args.runs / "vanilla"
+    norms = _json(latest_checkpoint(run) / TRAINER_STATE)["removal_state"]
+    config = _json(run / RUN_CONFIG)
+    stress = _json(args.out / "stress" / "stress.json")
+    verify = json.loads((args.out / "verify.json").read_text()) if (args.out / "verify.json").is_file() else None
+    refused = json.loads((run / "summary.json").read_text()).get("export_refused")
+    summary = {
+        "model": config["model"],
+        "norms_fixed": sum(state.get("fixed", False) for state in norms.values()),
+        "norms_total": len(norms),
+        "test_ce": test_ce(_json(args.out / "eval" / "summary.json")),
+        "stress": {label: {k: record[k] for k in STRESS_FIELDS} for label, record in stress["models"].items()},
+        "stress_settings": stress["settings"] | {"repeated_probe_ids": len(stress["settings"]["repeated_probe_ids"])
+                                                 if isinstance(stress["settings"]["repeated_probe_ids"], list)
+                                                 else stress["settings"]["repeated_probe_ids"]},
+        "export": None if refused else str(run / "export"),
+        **({"export_refused": refused} if refused else {}),
+        "verify_ok": None if verify is None else verify["ok"],
+        "runaway_rows_in_verify": None if verify is None else len(verify["probe"]["runaway_rows"]),
+        "position0_norm_ratio": position0(args.out),
+        "tokens": config["train"]["max_steps"] * config["train"]["tokens_per_step"],
+        "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control)},
+        "command": args.command,
+    }
+    for source, tag in ((run, "ln_free"), (control, "vanilla")):
+        (args.out / tag).mkdir(parents=True, exist_ok=True)
+        for name in ("log.jsonl", RUN_CONFIG):
+            shutil.copy(source / name, args.out / tag / name)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Vocabulary coverage: rows of random and repeated token ids beside every training micro-batch.
+
+An LN-free gated model runs away on tokens its fine-tuning text almost never shows (a rare id, a word
+repeated many times): a fixed σ no longer scales them back, and the fixed blocks above square what
+they add. Fine-tuning on real text alone never puts them in front of the loss. `train.coverage` adds
+`rows` generated sequences to every micro-step, each BOS-led (where the family reads one): BOS and
+one id repeated to the context length (a share `repeated_share` of the rows), or BOS and uniformly
+random ids. The ids are a pure function of (seed, step, micro-step, rank), so a resumed run and its
+vanilla control see the same rows. On them the model is trained
+
+- towards the original's predictions (KL to the teacher, weight `kl_weight`; no cross-entropy, the
+  rows are not text), and
+- to keep every token's scale at every norm input within `ratio`× the typical scale of *real text*
+  at that input (the text micro-batch of the same step): the hinge of `train.scale_tail`, measured
+  against text rather than against the generated rows themselves.
+
+They run in a forward of their own with the norms' σ statistics paused, so σ stays a measure of text.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from lnfree.fixedscale.functional import second_moment
+
+#: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
+_STREAM = 7919
+
+
+class Coverage(BaseModel):
+    """Generated rows of rare and repeated ids beside each micro-batch (`train.coverage`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rows: int = Field(1, ge=1, description="generated sequences per micro-step")
+    repeated_share: float = Field(0.5, ge=0, le=1, description="share of them that repeat one id; the rest are random ids")
+    ratio: float = Field(2.0, gt=1, description="hinge on tokens above this many times real text's typical scale")
+    weight: float = Field(1.0, ge=0, description="the hinge's weight")
+    kl_weight: float = Field(1.0, ge=0, description="weight of the KL to the teacher on these rows (with distillation)")
+    start: int = Field(0, ge=0, description="the first step with generated rows")
+
+
+def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, context: int, vocab_size: int,
+                 bos: int | None, seed: int) -> torch.Tensor:
+    """The generated rows (rows, context) of one micro-step: a pure function of its arguments."""
+    rng = np.random.default_rng([seed, _STREAM, step, micro_step, rank])
+    rows = np.empty((coverage.rows, context), dtype=np.int64)
+    for row in rows:
+        if rng.random() < coverage.repeated_share:
+            row[:] = rng.integers(0, vocab_size)
+        else:
+            row[:] = rng.integers(0, vocab_size, context)
+    if bos is not None:
+        rows[:, 0] = bos
+    return torch.from_numpy(rows)
+
+
+def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
+                       kind: str) -> list[torch.Tensor]:
+    """Per norm input, the detached mean log scale of the text's tokens (neither position 0 nor EOT)."""
+    typical = input_ids != eot_token_id
+    typical[:, 0] = False
+    weights = typical.float() / typical.sum().clamp_min(1)
+    return [(torch.sqrt(second_moment(x.detach().float(), kind) + 1e-12).log() * weights).sum() for x in inputs]
+
+
+def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind: str, ratio: float) -> torch.Tensor:
+    """Sum over norm inputs and tokens (position 0 aside) of max(0, log(scale) − typical − log `ratio`)²,
+    per sequence, against real text's typical log scale at each input."""
+    if len(inputs) != len(typical):
+        raise RuntimeError(f"{len(inputs)} norm inputs on the generated rows, {len(typical)} on the text")
+    total = torch.zeros((), device=inputs[0].device)
+    for x, log_typical in zip(inputs, typical):
+        log_scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12).log()
+        excess = log_scale[:, 1:] - log_typical - math.log(ratio)
+        total = total + excess.clamp_min(0).pow(2).sum()
+    return total / inputs[0].shape[0]

@@ -1,0 +1,39 @@
+"""What `auto` means for a run's precision (`train.mixed_precision`, `train.teacher_dtype`) on a device.
+
+bf16 where the device computes in it natively: a CUDA GPU that supports it; a CPU with native bf16
+matrix arithmetic (x86's AVX512-BF16 or AMX-BF16) only when the run opts in with
+`train.auto_cpu_bf16` (off by default until bf16 is shown to remove as well as fp32 on a CPU). A CPU
+without them would emulate bf16, slower than fp32, so `auto` stays fp32 there. Master weights, σ
+statistics, the norm maths and the losses stay fp32 either way.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+#: The /proc/cpuinfo flags of native bf16 matrix products: AVX512-BF16 (Intel Cooper Lake, AMD Zen 4 and
+#: later) and AMX-BF16 (Intel Sapphire Rapids and later). torch's own capability ("AVX512") does not say.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when this CPU multiplies bf16 matrices natively (a flag of `BF16_CPU_FLAGS`); False where
+    `cpuinfo` cannot be read (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
+    return bool(flags & BF16_CPU_FLAGS)
+
+
+def auto_bf16(device: torch.device, cpu_opt_in: bool = False) -> bool:
+    """Whether `auto` is bf16 on `device`: a CUDA device that supports it, or (with `cpu_opt_in`,
+    `train.auto_cpu_bf16`) a CPU with native bf16 (`cpu_has_native_bf16`)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_opt_in and cpu_has_native_bf16()

@@ -1,0 +1,72 @@
+"""`train.coverage`: generated rows of random and repeated ids, their loss, and σ left to the text."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from lnfree import surgery
+from lnfree.config import with_overrides
+from lnfree.coverage import Coverage, coverage_hinge, coverage_ids, typical_log_scales
+from lnfree.train import run
+
+
+def test_rows_are_a_pure_function_of_step_and_rank_and_start_with_bos():
+    cov = Coverage(rows=6, repeated_share=0.5)
+    args = {"context": 16, "vocab_size": 1000, "bos": 3, "seed": 0}
+    rows = coverage_ids(cov, 5, 1, 0, **args)
+    assert torch.equal(rows, coverage_ids(cov, 5, 1, 0, **args))
+    assert not torch.equal(rows, coverage_ids(cov, 6, 1, 0, **args))
+    assert not torch.equal(rows, coverage_ids(cov, 5, 1, 1, **args))
+    assert (rows[:, 0] == 3).all() and rows.shape == (6, 16)
+    repeated = [bool((r[1:] == r[1]).all()) for r in rows]
+    assert any(repeated) and not all(repeated)
+    assert (coverage_ids(Coverage(rows=2), 0, 0, 0, context=8, vocab_size=50, bos=None, seed=1) < 50).all()
+
+
+def test_the_hinge_is_zero_within_the_ratio_and_grows_beyond_it_against_the_texts_scale():
+    text = torch.ones(2, 5, 4)  # RMS 1 everywhere
+    typical = typical_log_scales([text], torch.ones(2, 5, dtype=torch.long), eot_token_id=0, kind="rms")
+    assert abs(float(typical[0])) < 1e-6
+    inside = torch.ones(1, 5, 4) * 1.9
+    beyond = inside.clone().requires_grad_(False)
+    beyond[0, 3] *= 10  # one token at 19× the text's typical scale
+    assert coverage_hinge([inside], typical, "rms", ratio=2.0) == 0
+    big = beyond.clone().requires_grad_(True)
+    loss = coverage_hinge([big], typical, "rms", ratio=2.0)
+    loss.backward()
+    assert loss > 0 and big.grad[0, 3].sum() > 0 and big.grad[0, 2].abs().sum() == 0
+    position0 = inside.clone()
+    position0[0, 0] *= 100  # position 0 (BOS, the sink) is not hinged
+    assert coverage_hinge([position0], typical, "rms", ratio=2.0) == 0
+
+
+def test_paused_statistics_leave_sigma_to_the_text(run_config):
+    from lnfree.models import load_base
+
+    model, _ = load_base(run_config().model)
+    surgery.install(model)
+    model.train()
+    states = surgery.scale_states(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with surgery.statistics_paused(model):
+        model(input_ids=ids).logits.sum().backward()
+    assert all(float(s.stats[1].sum()) == 0 for s in states.values())
+    model(input_ids=ids).logits.sum().backward()
+    assert all(float(s.stats[1].sum()) > 0 for s in states.values())
+
+
+def test_a_run_with_coverage_logs_its_terms_and_its_control_sees_the_same_rows(run_config, tmp_path):
+    settings = {"train.coverage": {"rows": 2, "ratio": 1.2, "start": 3}, "train.distill_alpha": 0.5,
+                "train.eval_every": 0}
+    config = with_overrides(run_config(max_steps=12), settings)
+    result = run(config, progress=False)
+    records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r for r in records if "loss" in r}
+    assert losses[2]["cov_kl"] == 0 and losses[2]["cov_tail"] == 0  # step 2 done: before `start`
+    assert losses[12]["cov_kl"] > 0 and losses[12]["cov_tail"] > 0
+    vanilla = with_overrides(config, {"removal.mode": "vanilla", "output_dir": str(tmp_path / "vanilla")})
+    run(vanilla, progress=False)
+    control = [json.loads(line) for line in (tmp_path / "vanilla" / "log.jsonl").read_text().splitlines()]
+    assert any(r.get("cov_kl", 0) > 0 for r in control)

@@ -1,0 +1,32 @@
+"""Smoke test of the CPU throughput benchmark (benchmarks/cpu_throughput.py) on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from lnfree.config import load_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_throughput_runs_its_variants_against_fp32_round_by_round(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny-distill").model_dump_json())  # with a teacher, as the default config
+    out = tmp_path / "cpu_throughput"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_throughput.py"), "--config", str(config),
+                    "--steps", "3", "--warmup", "1", "--rounds", "1", "--chunk", "512", "--threads", "1",
+                    "--variants", "bf16 + chunked", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads((tmp_path / "cpu_throughput.json").read_text())
+    assert list(results["runs"]) == ["fp32", "bf16 + chunked"]  # the baseline always runs
+    fp32, chunked = (runs[0] for runs in results["runs"].values())
+    assert (fp32["precision"], chunked["precision"]) == ("no", "bf16")
+    assert chunked["settings"]["train.chunked_vocab_loss"] == 512
+    assert all(len(run["step_cpu_seconds"]) == 2 for run in (fp32, chunked))  # steps 2 and 3
+    assert results["summary"]["fp32"]["cpu_ratio_per_round"] == [1.0]
+    for summary in results["summary"].values():
+        assert all(math.isfinite(summary[k]) and summary[k] > 0 for k in ("tokens_per_cpu_hour", "tokens_per_hour"))
+    assert "tokens / CPU-hour" in (tmp_path / "cpu_throughput.txt").read_text()

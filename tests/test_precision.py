@@ -1,0 +1,105 @@
+"""What `auto` precision means on a CPU (`lnfree.precision`), and a bf16-autocast step's loss on a CPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers import GPT2LMHeadModel
+
+from lnfree import precision, surgery
+from lnfree.arch import architecture
+from lnfree.config import RunConfig, TrainConfig
+from lnfree.distill import teacher_dtype
+from lnfree.objective import TERMS, Objective
+from lnfree.preparation import autocast_factory
+from lnfree.tiny import TINY_MODEL_DIR
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_native_bf16_is_read_from_the_cpus_flags(tmp_path):
+    detect = precision.cpu_has_native_bf16.__wrapped__
+    cpus = (("zen4", "fpu avx512f avx512_bf16 avx512_vnni", True), ("sapphire", "avx512f amx_bf16 amx_tile", True),
+            ("skylake", "fpu avx512f avx512bw avx512_vnni", False))
+    for name, flags, native in cpus:
+        (tmp_path / name).write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: amx_bf16 (only the flags line counts)\n")
+        assert detect(tmp_path / name) is native, name
+    assert detect(tmp_path / "absent") is False  # not Linux: no /proc/cpuinfo
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_on_a_cpu_only_when_the_run_opts_in_and_the_cpu_has_native_bf16(monkeypatch, native):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    for opt_in in (False, True):
+        config = RunConfig(train={"auto_cpu_bf16": opt_in})
+        bf16 = opt_in and native
+        assert autocast_factory(config, CPU)[1] == ("bf16" if bf16 else "no")
+        assert teacher_dtype("auto", CPU, opt_in) == (torch.bfloat16 if bf16 else torch.float32)
+        for choice, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):  # explicit choices stand
+            assert teacher_dtype(choice, CPU, opt_in) == dtype
+        assert autocast_factory(RunConfig(train={"mixed_precision": "no", "auto_cpu_bf16": opt_in}), CPU)[1] == "no"
+        assert autocast_factory(RunConfig(train={"mixed_precision": "bf16"}), CPU)[1] == "bf16"
+
+
+def test_a_gpu_is_unchanged(monkeypatch):
+    for supported in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        for opt_in in (False, True):
+            assert precision.auto_bf16(CUDA, opt_in) is supported
+            assert teacher_dtype("auto", CUDA, opt_in) == (torch.bfloat16 if supported else torch.float32)
+            config = RunConfig(train={"auto_cpu_bf16": opt_in})
+            assert autocast_factory(config, CUDA)[1] == ("bf16" if supported else "no")
+
+
+class SoftmaxInputs(TorchFunctionMode):
+    """Records the dtype of every input to a softmax-family function called inside it."""
+
+    FUNCTIONS = (F.log_softmax, F.softmax, F.cross_entropy, F.nll_loss, F.kl_div, torch.logsumexp)
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FUNCTIONS:
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def terms_of(autocast, chunk=None, teacher_dtype=torch.float32) -> torch.Tensor:
+    """The `TERMS` of one micro-step of the bundled tiny model with every norm fixed (σ measured), distilled
+    from the original (in `teacher_dtype`) with the scale loss, under `autocast`."""
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    student = surgery.install(GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR))
+    surgery.initialise_sigmas(student, [ids])
+    for state in surgery.scale_states(student).values():
+        state.switch_to_fixed()
+    teacher = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval().requires_grad_(False).to(teacher_dtype)
+    train = TrainConfig(distill_alpha=0.5, scale_loss_weight=0.1, chunked_vocab_loss=chunk)
+    objective = Objective(student.train(), train, architecture(student), teacher, 0, autocast)
+    with SoftmaxInputs() as seen:
+        loss, terms = objective(student, ids, (None, None, None))
+    assert seen.dtypes == {torch.float32}, "CE and KL take fp32 log-probabilities"
+    loss.backward()
+    return terms
+
+
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_bf16_autocast_step_gives_the_fp32_loss_within_bf16_precision(chunk):
+    fp32 = terms_of(contextlib.nullcontext, chunk)
+    bf16 = terms_of(lambda: torch.autocast("cpu", dtype=torch.bfloat16), chunk, torch.bfloat16)
+    names = ("loss", "ce", "aux", "kl", "scale")
+    assert all(fp32[TERMS.index(n)] > 0 for n in names)
+    for name in names:
+        value = bf16[TERMS.index(name)]
+        assert value != fp32[TERMS.index(name)], f"{name}: bf16 did not run"
+        assert value.bfloat16().float() != value, f"{name} has bf16's 8 bits only: it was computed in bf16, not fp32"
+    # bf16 rounds each product's output to 8 bits, 2⁻⁸ relative at most, errors that partly average out over
+    # the tokens and the vocabulary (measured: ≤ 1e-3 here): every term within one such rounding of fp32's.
+    for name in names:
+        i = TERMS.index(name)
+        assert bf16[i].item() == pytest.approx(fp32[i].item(), rel=2**-8), name

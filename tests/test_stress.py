@@ -1,0 +1,96 @@
+"""`lnfree stress`: an original shows zero overflow; a planted runaway is caught, whichever probe finds it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from lnfree.cli import app
+from lnfree.evaluate.stress import frequency_ranks, repeated_probe_ids, run_stress, sweep_sequences
+
+runner = CliRunner()
+FAST = {"context": 32, "n_sequences": 24, "repeated": 64, "vocab": None}
+
+
+def planted(export, tmp_path, token: int, factor: float):
+    """A copy of an LN-free export whose embedding row `token` is `factor`× larger (a planted outlier)."""
+    folder = tmp_path / f"planted-{token}-{factor:g}"
+    shutil.copytree(export, folder)
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["transformer.wte.weight"][token] *= factor
+    save_file(tensors, weights, metadata={"format": "pt"})
+    (folder / "fingerprint.json").unlink(missing_ok=True)
+    return folder
+
+
+def rare_token(test_ids: torch.Tensor, vocab_size: int) -> int:
+    """An id that never occurs in `test_ids` (the test split stays clean, the sweep holds it)."""
+    return int(np.flatnonzero(np.bincount(test_ids.reshape(-1).numpy(), minlength=vocab_size) == 0)[-1])
+
+
+def test_sweep_covers_every_id_and_probes_span_the_frequency_ranks():
+    sweep = sweep_sequences(100, 16, bos=7, n_ids=None, seed=0)
+    assert (sweep[:, 0] == 7).all() and set(sweep[:, 1:].reshape(-1).tolist()) == set(range(100))
+    counts = np.zeros(100, dtype=int)
+    counts[:10] = np.arange(10, 0, -1) * 5  # ids 0–9 seen, 0 most often; ids 10–99 never
+    ranks = frequency_ranks(counts)
+    assert ranks[:10].tolist() == list(range(10)) and sorted(ranks[10:].tolist()) == list(range(10, 100))
+    picked = repeated_probe_ids(counts, 12)
+    assert picked[0] == 0 and len(picked) == 12 and any(p >= 10 for p in picked)  # the rarest included
+    assert len(repeated_probe_ids(counts, None)) == 100
+
+
+def test_the_original_shows_zero_overflow_and_its_ln_free_form_is_measured_against_it(tiny_ln_free_export):
+    report = run_stress(["tiny", str(tiny_ln_free_export)], "tiny", labels=["original", "ln_free"], **FAST)
+    original, ln_free = report.records
+    assert original.overflow_total == 0 and original.vocab_covered == original.vocab_size
+    assert original.repeated_probes == 64 and original.test_tokens == 24 * 31
+    assert original.max_growth_vs_first is None and ln_free.max_growth_vs_first > 0
+    assert len(ln_free.growth_vs_first) == 5  # 4 block inputs and the final norm's input
+
+
+def test_a_planted_outlier_embedding_is_caught_by_the_sweep_not_the_test_split(tiny_ln_free_export, tmp_path):
+    clean = run_stress([str(tiny_ln_free_export)], "tiny", **FAST)
+    from transformers import AutoTokenizer
+
+    from lnfree.evaluate import load_sequences, resolve_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ln_free_export)
+    test_ids = torch.from_numpy(load_sequences(resolve_dataset("tiny"), tokenizer, context=32, n_sequences=24,
+                                               vocab_size=len(tokenizer)))
+    token = rare_token(test_ids, len(tokenizer))  # absent from the test split: only the probes can find it
+    bad = planted(tiny_ln_free_export, tmp_path, token, 100.0)
+    record = run_stress([str(bad)], "tiny", **FAST).records[0]
+    assert clean.records[0].vocab_overflow == 0 and record.test_overflow_tokens == 0
+    assert record.vocab_overflow >= 1 and record.vocab_overflow_sequences >= 1
+    assert record.worst[0]["token_id"] == token and record.worst[0]["part"] in ("vocab", "repeated")
+
+
+def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwrite(tiny_ln_free_export, tmp_path):
+    args = ["--dataset", "tiny", "--context", "32", "--n-sequences", "8", "--repeated", "16", "--vocab", "all",
+            "--no-progress"]
+    out = tmp_path / "ok"
+    result = runner.invoke(app, ["stress", "tiny", "--labels", "original", "--out", str(out), *args])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "stress.json").read_text())
+    assert saved["models"]["original"]["overflow_total"] == 0 and (out / "stress.md").exists()
+    again = runner.invoke(app, ["stress", "tiny", "--out", str(out), *args])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    broken = planted(tiny_ln_free_export, tmp_path, 5, 1e36)  # overflows fp32 on the way through
+    result = runner.invoke(app, ["stress", str(broken), "--out", str(tmp_path / "bad"), *args])
+    assert result.exit_code == 1
+    record = next(iter(json.loads((tmp_path / "bad" / "stress.json").read_text())["models"].values()))
+    assert record["vocab_nonfinite_tokens"] >= 1 and record["worst"][0]["ratio"] == "non-finite logit"
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "some"])
+def test_probe_counts_must_be_positive_or_all(value):
+    result = runner.invoke(app, ["stress", "tiny", "--vocab", value])
+    assert result.exit_code == 2 and "--vocab" in result.output
