@@ -1,0 +1,79 @@
+"""Does bf16 autocast remove as well as fp32 on a CPU? Validation CE of the same runs in both precisions.
+
+For each preset (default: the distillation presets of the two bundled models, `tiny-distill` and
+`realtext-distill`), `lnfree remove` runs twice on the same tokens, each with its vanilla control:
+fp32 (`train.mixed_precision = "no"`, fp32 teacher) and bf16 (bf16 autocast over fp32 master
+weights, bf16 teacher). The script reads each run's summary (held-out CE at the end: the validation
+split for realtext) and prints, per preset and model (LN-free, vanilla), bf16 − fp32 and whether it is
+within `--tolerance` (0.01 nats, the bar bf16 must clear before it becomes a CPU default), and the
+process CPU time of each run from its log. Writes benchmarks/results/bf16_quality.json / .txt.
+
+    python benchmarks/bf16_quality.py [--presets tiny-distill,realtext-distill] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRECISIONS = {
+    "fp32": ["--set", "train.mixed_precision=no", "--set", "train.teacher_dtype=fp32"],
+    "bf16": ["--set", "train.mixed_precision=bf16", "--set", "train.teacher_dtype=bf16"],
+}
+
+
+def cpu_seconds(run: Path) -> float:
+    """The process CPU time of a run's training (its log's last `cpu_seconds`)."""
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return max(r.get("cpu_seconds", 0.0) for r in rows)
+
+
+def one_run(preset: str, precision: str, work: Path, threads: int | None) -> dict:
+    """`lnfree remove --preset PRESET` (with its control) in one precision; its held-out CEs and CPU time."""
+    out = work / f"{preset}-{precision}"
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    command = [sys.executable, "-m", "lnfree", "remove", "--preset", preset, "-o", str(out), "--control",
+               "--overwrite", *PRECISIONS[precision]]
+    subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"held_out_ce": summary["held_out_ce"], "held_out_tokens": summary["held_out_tokens"],
+            "cpu_seconds": {"ln_free": cpu_seconds(out), "vanilla": cpu_seconds(out / "control")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="tiny-distill,realtext-distill")
+    parser.add_argument("--tolerance", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: inherited)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bf16_quality")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets.split(","):
+            results[preset] = {p: one_run(preset, p, Path(tmp), args.threads) for p in PRECISIONS}
+            print(f"{preset}: {json.dumps(results[preset])}", flush=True)
+    lines = [f"# bf16 autocast vs fp32 on this CPU: held-out CE at the end of the same runs (tolerance "
+             f"{args.tolerance} nats)", "",
+             "| preset | model | fp32 | bf16 | bf16 − fp32 | within | CPU s fp32 / bf16 |", "|---|---|---|---|---|---|---|"]
+    verdicts = {}
+    for preset, runs in results.items():
+        for model in ("ln_free", "vanilla"):
+            a, b = runs["fp32"]["held_out_ce"][model], runs["bf16"]["held_out_ce"][model]
+            ok = abs(b - a) <= args.tolerance
+            verdicts[f"{preset}/{model}"] = ok
+            cpu = f"{runs['fp32']['cpu_seconds'][model]:.0f} / {runs['bf16']['cpu_seconds'][model]:.0f}"
+            lines.append(f"| {preset} | {model} | {a:.4f} | {b:.4f} | {b - a:+.4f} | {'yes' if ok else 'no'} | {cpu} |")
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "within": verdicts}, indent=1))
+    args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
