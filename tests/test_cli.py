@@ -211,6 +211,21 @@ def test_remove_with_only_the_final_norm_keeps_the_run_folder_and_says_so(run_co
     assert [name for name, norm in loaded.norms.items() if norm["fixed"]] == ["ln_f"]
 
 
+def test_a_run_whose_export_runs_away_keeps_its_summary_and_fails_with_the_reason(run_config, tmp_path, monkeypatch):
+    import lnfree.export
+
+    def runs_away(*args, **kwargs):
+        raise lnfree.export.RunawayError("the model runs away on 2 of 20 probe rows: BOS, token ' x' twice, then random ids")
+
+    monkeypatch.setattr(lnfree.export, "export_run", runs_away)
+    path = tmp_path / "run.json"
+    path.write_text(run_config(max_steps=12).model_dump_json())
+    result = runner.invoke(app, ["remove", "--config", str(path), "--no-control"])
+    assert result.exit_code != 0 and "no export: the model runs away on 2 of 20 probe rows" in result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "export" not in summary and "--allow-runaway" in summary["export_refused"]
+
+
 def test_ctrl_c_says_where_the_run_stands_and_how_to_resume_it(tmp_path, model_dir, monkeypatch):
     import sys
 
