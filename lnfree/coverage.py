@@ -41,6 +41,9 @@ class Coverage(BaseModel):
     weight: float = Field(1.0, ge=0, description="the hinge's weight")
     kl_weight: float = Field(1.0, ge=0, description="weight of the KL to the teacher on these rows (with distillation)")
     start: int = Field(0, ge=0, description="the first step with generated rows")
+    max_grad_share: float | None = Field(
+        None, gt=0, description="cap the rows' gradient at this share of the text's (by norm, per step), so that "
+        "they never dominate an update that gradient clipping then shrinks; None: no cap")
 
 
 def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, context: int, vocab_size: int,
@@ -78,3 +81,25 @@ def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind
         excess = log_scale[:, 1:] - log_typical - math.log(ratio)
         total = total + excess.clamp_min(0).pow(2).sum()
     return total / inputs[0].shape[0]
+
+
+def gradients(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A detached copy of each parameter's gradient (None where it has none)."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def cap_share(params: list[torch.Tensor], before: list[torch.Tensor | None], share: float | None) -> torch.Tensor:
+    """Scale what the gradients gained since `before` (the text's) down to at most `share` × the norm of
+    `before`, in place (no cap with `share` None); return the gained norm over the text's, uncapped (a
+    device scalar, no host sync)."""
+    gained = [p.grad - b if b is not None else p.grad for p, b in zip(params, before) if p.grad is not None]
+    text = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in before if b is not None]))
+    extra = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gained]))
+    ratio = extra / text.clamp_min(1e-30)
+    if share is not None:
+        factor = (share / ratio.clamp_min(1e-30)).clamp(max=1.0)
+        for p, b in zip(params, before):
+            if p.grad is not None:
+                base = b if b is not None else torch.zeros_like(p.grad)
+                p.grad.copy_(base + (p.grad - base) * factor)
+    return ratio

@@ -44,7 +44,7 @@ from lnfree.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.vocab_loss import IGNORE, HeadInput, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "cov_kl", "cov_tail")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "cov_kl", "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp"}
 
@@ -135,7 +135,7 @@ class Objective:
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, zero, zero)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +150,7 @@ class Objective:
         vocab, _, kl = self._vocab_terms(output, input_ids, 0.0, cov.kl_weight, labels=False)
         loss = vocab + cov.weight * hinge
         terms = [torch.zeros_like(hinge)] * len(TERMS)
-        terms[0], terms[-2], terms[-1] = loss, kl, hinge
+        terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
 
     def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool):
@@ -199,7 +199,7 @@ class Objective:
         if self.train.scale_loss_weight == 0:
             del record["scale"]
         if self.train.coverage is None:
-            del record["cov_kl"], record["cov_tail"]
+            del record["cov_kl"], record["cov_tail"], record["cov_share"]
         for term, field in TAILS.items():
             if getattr(self.train, field) is None:
                 del record[term]

@@ -41,7 +41,7 @@ from lnfree.arch.base import Architecture
 from lnfree.ceiling import ScaleCeiling, set_ceiling
 from lnfree.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.config import RunConfig
-from lnfree.coverage import coverage_ids
+from lnfree.coverage import cap_share, coverage_ids, gradients
 from lnfree.data import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.launch import close_distributed, make_accelerator, quiet_libraries  # noqa: F401 (re-exported)
 from lnfree.layout import (  # noqa: F401 (names other modules read from here)
@@ -380,23 +380,36 @@ class _Clock:
 
 
 def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
-    """Forward and backward over `step`'s micro-batches (gradients synchronised on the last only);
-    return the loss terms averaged over them, on the device."""
+    """Forward and backward over `step`'s micro-batches (gradients synchronised on the last only), then
+    over its generated rows (`train.coverage`: their gradient capped at a share of the text's); return
+    the loss terms averaged over them, on the device."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     tails = objective.tails_at(step)
-    covered = s.coverage_rows is not None and step >= s.config.train.coverage.start
     for micro in range(accumulation):
-        last = micro == accumulation - 1
-        with contextlib.nullcontext() if last and not covered else accelerator.no_sync(model):
+        with contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model):
             loss, terms = objective(model, s.loader.get(step, micro), tails)
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
-        if covered:  # the generated rows in a forward of their own (lnfree.coverage)
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                loss, terms = objective.coverage(model, s.coverage_rows(step, micro).to(accelerator.device))
-                accelerator.backward(loss / accumulation)
-            totals += terms / accumulation
+    if s.coverage_rows is not None and step >= s.config.train.coverage.start:
+        totals += _coverage_backward(s, model, objective, step)
+    return totals
+
+
+def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
+    """The generated rows of `step` (`lnfree.coverage`), after the text's gradients are complete (and
+    synchronised): their own forwards and backwards, their gradient capped at `max_grad_share` of the
+    text's; return their loss terms, with the uncapped share in `cov_share`."""
+    accelerator, accumulation = s.accelerator, s.batches.accumulation
+    params = [p for p in model.parameters() if p.requires_grad]
+    text = gradients(params)
+    totals = torch.zeros(len(TERMS), device=accelerator.device)
+    for micro in range(accumulation):
+        with contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model):
+            loss, terms = objective.coverage(model, s.coverage_rows(step, micro).to(accelerator.device))
+            accelerator.backward(loss / accumulation)
+        totals += terms / accumulation
+    totals[TERMS.index("cov_share")] = cap_share(params, text, s.config.train.coverage.max_grad_share)
     return totals
 
 

@@ -8,7 +8,7 @@ import torch
 
 from lnfree import surgery
 from lnfree.config import with_overrides
-from lnfree.coverage import Coverage, coverage_hinge, coverage_ids, typical_log_scales
+from lnfree.coverage import Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales
 from lnfree.train import run
 
 
@@ -42,6 +42,23 @@ def test_the_hinge_is_zero_within_the_ratio_and_grows_beyond_it_against_the_text
     assert coverage_hinge([position0], typical, "rms", ratio=2.0) == 0
 
 
+def test_the_rows_gradient_is_capped_at_its_share_of_the_texts():
+    a, b, frozen = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1)
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])  # the text's: norm 5
+    text = gradients([a, b])
+    a.grad += torch.tensor([0.0, 30.0, 0.0])  # the rows add a gradient of norm 50
+    b.grad += torch.tensor([40.0, 0.0])
+    ratio = cap_share([a, b], text, 0.5)
+    assert float(ratio) == 10.0  # 50 / 5, before the cap
+    gained = torch.cat([a.grad - text[0], b.grad - text[1]])
+    assert torch.allclose(torch.linalg.vector_norm(gained), torch.tensor(2.5))  # 0.5 × 5, its direction kept
+    assert torch.allclose(gained / gained.norm(), torch.tensor([0.0, 0.6, 0.0, 0.8, 0.0]))
+    assert frozen.grad is None
+    small = gradients([a, b])
+    a.grad += 0.01
+    assert float(cap_share([a, b], small, None)) > 0 and torch.allclose(a.grad, small[0] + 0.01)  # no cap
+
+
 def test_paused_statistics_leave_sigma_to_the_text(run_config):
     from lnfree.models import load_base
 
@@ -58,14 +75,15 @@ def test_paused_statistics_leave_sigma_to_the_text(run_config):
 
 
 def test_a_run_with_coverage_logs_its_terms_and_its_control_sees_the_same_rows(run_config, tmp_path):
-    settings = {"train.coverage": {"rows": 2, "ratio": 1.2, "start": 3}, "train.distill_alpha": 0.5,
+    settings = {"train.coverage": {"rows": 2, "ratio": 1.2, "start": 3, "max_grad_share": 0.3},
+                "train.distill_alpha": 0.5,
                 "train.eval_every": 0}
     config = with_overrides(run_config(max_steps=12), settings)
     result = run(config, progress=False)
     records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
     losses = {r["step"]: r for r in records if "loss" in r}
     assert losses[2]["cov_kl"] == 0 and losses[2]["cov_tail"] == 0  # step 2 done: before `start`
-    assert losses[12]["cov_kl"] > 0 and losses[12]["cov_tail"] > 0
+    assert losses[12]["cov_kl"] > 0 and losses[12]["cov_tail"] > 0 and losses[12]["cov_share"] > 0
     vanilla = with_overrides(config, {"removal.mode": "vanilla", "output_dir": str(tmp_path / "vanilla")})
     run(vanilla, progress=False)
     control = [json.loads(line) for line in (tmp_path / "vanilla" / "log.jsonl").read_text().splitlines()]
