@@ -399,7 +399,7 @@ def eval_(
     overwrite: Annotated[bool, typer.Option(help="Write into a --out that holds files: an earlier evaluation there is replaced, nothing else.")] = False,
     n_sequences: Annotated[Optional[int], typer.Option(help="First N sequences. (default: the dataset preset's)", min=1)] = None,
     context: Annotated[Optional[int], typer.Option(help="Tokens per sequence. (default: the preset's, else the models' longest context up to 1024)", min=2)] = None,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.", min=1)] = 8,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass. (default: up to 8, fewer where one batch's logits would pass 1 GB per model)", min=1)] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, …")] = "auto",
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (eps-trick files overflow fp16).")] = "fp32",
     form: Annotated[str, typer.Option(help="hf: lnfree's exact fixed-scale form; folded: LN-free weights folded; plain: the file as transformers loads it.")] = "hf",

@@ -347,3 +347,25 @@ def test_hellaswag_adapter(monkeypatch):
     assert out == {"hellaswag_acc": 0.28, "hellaswag_acc_stderr": 0.004, "hellaswag_acc_norm": 0.3,
                    "hellaswag_acc_norm_stderr": 0.005}
     assert seen == {"model": module, "batch_size": 4, "tasks": ["hellaswag"], "limit": 10}
+
+
+def test_scoring_in_chunks_of_positions_gives_the_same_numbers(monkeypatch):
+    from lnfree.evaluate import scoring
+
+    table = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 6, (5, 12), generator=torch.Generator().manual_seed(1))
+    models = {"a": toy("a", table).module, "b": toy("b", table * 0.5).module}
+    whole = scoring.score(models, tokens, batch_size=3, pairs=[("a", "b")])
+    monkeypatch.setattr(scoring, "STAT_CHUNK", 1)  # one position of one row at a time... of each row
+    chunked = scoring.score(models, tokens, batch_size=3, pairs=[("a", "b")])
+    for label in models:
+        for name in ("ce", "entropy", "confidence", "top1"):
+            assert torch.equal(getattr(whole[0][label], name), getattr(chunked[0][label], name)), (label, name)
+    assert torch.equal(whole[1][("a", "b")], chunked[1][("a", "b")])
+
+
+def test_the_default_batch_keeps_a_models_logits_within_a_gigabyte():
+    from lnfree.evaluate.run import auto_batch_size
+
+    assert auto_batch_size(128, 554) == 8 and auto_batch_size(64, 262_144) == 8  # tiny; Gemma 3 at 64 tokens
+    assert auto_batch_size(1024, 262_144) == 1 and auto_batch_size(1024, 50_257) == 5  # Gemma 3, GPT-2 at 1,024

@@ -141,9 +141,19 @@ def default_context(preset_context: int | None, positions: Sequence[int]) -> int
     return min([preset_context or MAX_DEFAULT_CONTEXT, *positions])
 
 
+#: Logits per model a batch may hold (fp32 values), when the batch size is left to `auto_batch_size`.
+LOGITS_BUDGET = 2**28
+
+
+def auto_batch_size(context: int, vocab_size: int, largest: int = 8) -> int:
+    """Sequences per forward whose logits stay within `LOGITS_BUDGET` per model (1 GB), at most `largest`:
+    8 for GPT-2 at 256 tokens or Gemma 3 at 64, 1 for Gemma 3 (262,144 ids) at 1,024 tokens."""
+    return max(1, min(largest, LOGITS_BUDGET // (context * vocab_size)))
+
+
 def evaluate(
     sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, form: str = "hf",
-    dtype: str = "fp32", device: str = "auto", batch_size: int = 8, n_sequences: int | None = None,
+    dtype: str = "fp32", device: str = "auto", batch_size: int | None = None, n_sequences: int | None = None,
     context: int | None = None, split: str | None = None, revision: str | None = None, text_field: str = "text",
     cache_dir: str | None = None, progress: bool = False, benchmarks: Sequence[str] = (),
     benchmark_limit: int | float | None = None, **options,
@@ -155,7 +165,7 @@ def evaluate(
     1,000; a local file: all of it); without a preset's context, the models' longest context up to
     `MAX_DEFAULT_CONTEXT` (`default_context`). The context must fit every model. `benchmarks` (e.g.
     ``["hellaswag"]``, needs lm-evaluation-harness) run on each model after scoring; `options` go to
-    `evaluate_models`.
+    `evaluate_models`. `batch_size` None: `auto_batch_size`.
     """
     spec = resolve_dataset(dataset, split=split, revision=revision, text_field=text_field)
     for name in benchmarks:
@@ -185,6 +195,7 @@ def evaluate(
             by_fingerprint[key] = torch.from_numpy(ids)
         tokens[m.label] = by_fingerprint[key]
     first = next(iter(by_fingerprint.values()))
+    batch_size = batch_size or auto_batch_size(context, max(m.vocab_size for m in models))
     info = {"name": spec.name, "source": spec.source, "revision": spec.revision, "split": spec.split,
             "description": spec.description, "sequences": int(first.shape[0]), "context": context,
             "scored_tokens_per_model": int(first.shape[0]) * (context - 1), "tokenizers": len(by_fingerprint),

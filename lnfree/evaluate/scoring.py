@@ -17,6 +17,9 @@ SCORING_CONVENTION = (
     "nothing is padded or masked; scored tokens = sequences x (L-1) for every model and format"
 )
 UNITS = "nats"
+#: Positions per chunk of the vocabulary-wide statistics: bounds their fp32 temporaries (a few of
+#: chunk × vocabulary) whatever the batch (Gemma 3's 262,144-token vocabulary: 128 MB each).
+STAT_CHUNK = 128
 
 
 
@@ -92,17 +95,27 @@ def score(
     batches = range(0, n, batch_size)
     for start in tqdm(batches, desc=f"scoring {len(models)} model(s)", unit="batch", disable=not progress):
         ids = tokens[start:start + batch_size].to(device)
-        targets = ids[:, 1:]
-        logps = {}
-        for label, module in models.items():
-            stats, logp = token_statistics(_logits(module, ids)[:, :-1], targets)
-            for name, value in stats.items():
-                getattr(scores[label], name)[start:start + len(ids)] = value.cpu()
-            if label in in_pairs:
-                logps[label] = logp
-        for a, b in pairs:
-            if logps[a].shape != logps[b].shape:
-                raise EvalError(f"{a} and {b} have different vocabularies ({logps[a].shape[-1]} vs "
-                                f"{logps[b].shape[-1]}): no pairwise comparison")
-            jsd[(a, b)][start:start + len(ids)] = js_divergence(logps[a], logps[b]).cpu()
+        logits = {label: _logits(module, ids)[:, :-1] for label, module in models.items()}
+        rows = slice(start, start + len(ids))
+        for first in range(0, length - 1, max(1, STAT_CHUNK // len(ids))):  # positions of every row at once
+            cols = slice(first, first + max(1, STAT_CHUNK // len(ids)))
+            _score_chunk(logits, ids[:, 1:][:, cols], scores, jsd, pairs, in_pairs, rows, cols)
+        del logits
     return scores, jsd
+
+
+def _score_chunk(logits: dict[str, torch.Tensor], targets: torch.Tensor, scores: dict[str, TokenScores],
+                 jsd: dict, pairs: Sequence[tuple[str, str]], in_pairs: set[str], rows: slice, cols: slice) -> None:
+    """The statistics of the positions `cols` of the sequences `rows`, written into `scores` and `jsd`."""
+    logps = {}
+    for label, full in logits.items():
+        stats, logp = token_statistics(full[:, cols], targets)
+        for name, value in stats.items():
+            getattr(scores[label], name)[rows, cols] = value.cpu()
+        if label in in_pairs:
+            logps[label] = logp
+    for a, b in pairs:
+        if logps[a].shape != logps[b].shape:
+            raise EvalError(f"{a} and {b} have different vocabularies ({logps[a].shape[-1]} vs "
+                            f"{logps[b].shape[-1]}): no pairwise comparison")
+        jsd[(a, b)][rows, cols] = js_divergence(logps[a], logps[b]).cpu()
