@@ -87,7 +87,7 @@ def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwr
     result = runner.invoke(app, ["stress", str(broken), "--out", str(tmp_path / "bad"), *args])
     assert result.exit_code == 1
     record = next(iter(json.loads((tmp_path / "bad" / "stress.json").read_text())["models"].values()))
-    assert record["vocab_nonfinite_tokens"] >= 1 and record["worst"][0]["ratio"] == "non-finite logit"
+    assert record["vocab_nonfinite_tokens"] >= 1 and record["worst"][0]["times_typical"] == "non-finite logit"
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "some"])

@@ -95,6 +95,13 @@ def envelope(test: Pass) -> torch.Tensor:
     return test.norms[:, sane].flatten(1).max(dim=1).values
 
 
+def typical_norms(test: Pass) -> torch.Tensor:
+    """The median residual norm per layer over the test tokens after position 0 (a typical token's)."""
+    norms = test.norms[:, :, 1:].flatten(1)
+    return torch.stack([row[row.isfinite()].median() if row.isfinite().any() else row.new_tensor(math.nan)
+                        for row in norms])
+
+
 def overflow_ratio(run: Pass, limits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per token the largest norm / envelope over layers, inf where a logit is non-finite; the layer)."""
     ratio = run.norms / limits.clamp_min(1e-30)[:, None, None]
@@ -177,6 +184,7 @@ class StressRecord:
     vocab_overflow: int  # overflowing tokens of the sweep
     vocab_overflow_sequences: int
     vocab_nonfinite_tokens: int
+    max_times_typical: dict[str, float] = field(default_factory=dict)  # per part: the largest norm / typical norm
     worst: list[dict] = field(default_factory=list)
 
     @property
@@ -190,25 +198,37 @@ class StressRecord:
         return {**asdict(self), "overflow_total": self.overflow_total}
 
 
-def _worst_tokens(parts: dict[str, tuple[Pass, torch.Tensor, torch.Tensor]], tokenizer, limit: int) -> list[dict]:
-    """The `limit` sequences whose worst token has the largest norm / envelope over every part, each with
-    that token (the first such one: a runaway spreads to the tokens after it), its text and the tokens
-    before it."""
+def _worst_tokens(parts: dict[str, tuple[Pass, torch.Tensor, torch.Tensor]], typical: torch.Tensor, tokenizer,
+                  limit: int) -> list[dict]:
+    """The `limit` sequences whose worst token is the largest against a typical token of the test split
+    (norm / median norm, the largest over layers; a non-finite logit first), each with its culprit: the
+    first token that overflows (a runaway spreads to the tokens after it), else the largest. With the
+    token: its text, the tokens before it, and its norm / envelope (the overflow measure)."""
     rows = []
     for part, (run, ratio, layer) in parts.items():
-        per_row = ratio.max(dim=1).values
-        k = min(limit, per_row.numel())
-        values, index = per_row.topk(k)
+        times, at = times_typical(run, typical)
+        per_row = times.max(dim=1).values
+        values, index = per_row.topk(min(limit, per_row.numel()))
         for value, seq in zip(values.tolist(), index.tolist()):
-            pos = int((ratio[seq] >= value).nonzero()[0])
+            overflowing = (ratio[seq] > OVERFLOW_RATIO).nonzero()
+            pos = int(overflowing[0]) if len(overflowing) else int((times[seq] >= value).nonzero()[0])
             token = int(run.ids[seq, pos])
-            before = run.ids[seq, max(0, pos - 8):pos].tolist()
+            envelope_ratio = float(ratio[seq, pos])
             rows.append({"part": part, "sequence": seq, "position": pos, "token_id": token,
-                         "text": tokenizer.decode([token]), "before": tokenizer.decode(before),
-                         "ratio": value if math.isfinite(value) else "non-finite logit",
+                         "text": tokenizer.decode([token]), "before": tokenizer.decode(run.ids[seq, max(0, pos - 8):pos].tolist()),
+                         "times_typical": float(times[seq, pos]) if math.isfinite(times[seq, pos]) else "non-finite logit",
+                         "times_typical_layer": int(at[seq, pos]),
+                         "ratio": envelope_ratio if math.isfinite(envelope_ratio) else "non-finite logit",
                          "layer": int(layer[seq, pos]), "_sort": value})
     rows.sort(key=lambda r: -r["_sort"])
     return [{k: v for k, v in r.items() if k != "_sort"} for r in rows[:limit]]
+
+
+def times_typical(run: Pass, typical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per token its largest norm / the typical token's over layers, inf where a logit is non-finite;
+    the layer)."""
+    times, layer = (run.norms / typical.clamp_min(1e-30)[:, None, None]).max(dim=0)
+    return torch.where(run.finite, times, torch.full_like(times, math.inf)), layer
 
 
 def stress_model(
@@ -226,6 +246,8 @@ def stress_model(
     ratios = {name: (run, *overflow_ratio(run, limits)) for name, run in
               (("test", test), ("repeated", repeated), ("vocab", swept))}
     over = {name: ratio > OVERFLOW_RATIO for name, (_, ratio, _) in ratios.items()}
+    typical = typical_norms(test)
+    largest = {name: float(times_typical(run, typical)[0].max()) for name, (run, _, _) in ratios.items()}
     growth = None if first_envelope is None else (limits / first_envelope.clamp_min(1e-30))
     record = StressRecord(
         label=label, source=source, envelope=limits.tolist(),
@@ -243,7 +265,8 @@ def stress_model(
         vocab_sequences=len(sweep), vocab_overflow=int(over["vocab"].sum()),
         vocab_overflow_sequences=int(over["vocab"].any(dim=1).sum()),
         vocab_nonfinite_tokens=int((~swept.finite).sum()),
-        worst=_worst_tokens(ratios, tokenizer, WORST),
+        max_times_typical=largest,
+        worst=_worst_tokens(ratios, typical, tokenizer, WORST),
     )
     return record, limits
 
@@ -338,18 +361,22 @@ def markdown(report: StressReport) -> str:
     lines = [f"# Stress test ({s['dataset']}, context {s['context']}, overflow: a non-finite logit or a residual "
              f"norm > {s['overflow_ratio']:g}× the model's own test-split maximum at that layer)", "",
              "| model | test: non-finite seqs | test: tokens > 30 nats | test: overflow tokens | test CE | "
-             "repeated: overflow / probes | vocab: overflow tokens (seqs) / ids covered | max growth vs first |",
-             "|---|---|---|---|---|---|---|---|"]
+             "repeated: overflow / probes | vocab: overflow tokens (seqs) / ids covered | max growth vs first | "
+             "largest × typical token (test / repeated / vocab) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report.records:
         growth = "—" if r.max_growth_vs_first is None else f"{r.max_growth_vs_first:.3g}×"
         lines.append(f"| {r.label} | {r.test_nonfinite_sequences} / {r.test_sequences} | {r.test_tokens_over_30_nats} "
                      f"| {r.test_overflow_tokens} | {r.test_ce:.4f} | {r.repeated_overflow} / {r.repeated_probes} | "
-                     f"{r.vocab_overflow} ({r.vocab_overflow_sequences}) / {r.vocab_covered} of {r.vocab_size} | {growth} |")
+                     f"{r.vocab_overflow} ({r.vocab_overflow_sequences}) / {r.vocab_covered} of {r.vocab_size} | {growth} | "
+                     + " / ".join(f"{r.max_times_typical[part]:.3g}" for part in ("test", "repeated", "vocab")) + " |")
     for r in report.records:
-        lines += ["", f"## {r.label}: the worst tokens (residual norm / envelope)", "",
-                  "| part | seq | pos | token | before | ratio | layer |", "|---|---|---|---|---|---|---|"]
+        lines += ["", f"## {r.label}: the worst tokens (residual norm against a typical token's, and against the envelope)",
+                  "", "| part | seq | pos | token | before | × typical (layer) | / envelope (layer) |",
+                  "|---|---|---|---|---|---|---|"]
+        number = lambda v: v if isinstance(v, str) else f"{v:.4g}"  # noqa: E731
         for w in r.worst:
-            ratio = w["ratio"] if isinstance(w["ratio"], str) else f"{w['ratio']:.4g}"
             lines.append(f"| {w['part']} | {w['sequence']} | {w['position']} | {w['text']!r} ({w['token_id']}) | "
-                         f"{w['before']!r} | {ratio} | {w['layer']} |")
+                         f"{w['before']!r} | {number(w['times_typical'])} ({w['times_typical_layer']}) | "
+                         f"{number(w['ratio'])} ({w['layer']}) |")
     return "\n".join(lines) + "\n"
