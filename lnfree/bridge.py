@@ -83,6 +83,7 @@ from lnfree.fixedscale.norms import FixedScaleNorm
 
 __all__ = [
     "HOOK_NAMES",
+    "LAST_POSITION_LOGITS",
     "as_batch",
     "bridge_from_folded",
     "bridge_from_layernorm",
@@ -202,14 +203,15 @@ def _pass_through_norms(arch: Architecture):
     return hook
 
 
-def bridge_from_folded(model: nn.Module, tokenizer: Any = None) -> Any:
+def bridge_from_folded(model: nn.Module, tokenizer: Any = None, *, private: bool = False) -> Any:
     """An exact ``TransformerBridge`` around an LN-free model (norms folded away).
 
     Every norm of ``model`` must be an ``nn.Identity``; its ``lm_head`` may be an
     untied ``nn.Linear`` with a bias (the folded ``ln_f`` bias), which the bridge's unembedding
     applies (``bridge.b_U``).  The bridge has ``cfg.normalization_type = None`` and its ``ln1``,
     ``ln2`` and ``ln_final`` are pass-throughs (they only fire ``hook_in``/``hook_out``).  The
-    caller's model and tokenizer are not modified.
+    caller's model and tokenizer are not modified, unless ``private``: a model made for this bridge
+    alone (e.g. ``fold``'s), which the bridge then takes over instead of copying (one copy fewer).
     """
     _check(model)
     not_free = [name for name, module in _norm_slots(model) if not isinstance(module, nn.Identity)]
@@ -222,29 +224,35 @@ def bridge_from_folded(model: nn.Module, tokenizer: Any = None) -> Any:
     if d_vocab != model.config.vocab_size:
         raise ValueError(f"the unembedding has {d_vocab} outputs, expected {model.config.vocab_size}")
 
-    return _pass_through_bridge(model, tokenizer)
+    return _pass_through_bridge(model, tokenizer, private)
 
 
-def bridge_with_own_norms(model: nn.Module, tokenizer: Any = None) -> Any:
+def bridge_with_own_norms(model: nn.Module, tokenizer: Any = None, *, private: bool = False) -> Any:
     """An exact ``TransformerBridge`` whose norm slots call ``model``'s own norm modules.
 
     For partially LN-free models: each norm may be any module (a real norm, an ``lnfree``
     fixed-scale ``FixedScaleNorm`` or an identity); the bridge's
     pass-through slots run them as they are. The residual stream is then not linear in the
     components wherever a norm is real, so per-component attribution is exact only through
-    fixed-scale norms. The caller's model is not modified.
+    fixed-scale norms. The caller's model is not modified, unless ``private`` (see :func:`bridge_from_folded`).
     """
     _check(model)
     if not isinstance(model.get_output_embeddings(), nn.Linear):
         raise TypeError(f"the unembedding must be an nn.Linear, got {type(model.get_output_embeddings()).__name__}")
-    return _pass_through_bridge(model, tokenizer)
+    return _pass_through_bridge(model, tokenizer, private)
 
 
-def _pass_through_bridge(model: nn.Module, tokenizer: Any) -> Any:
+def _private(model: nn.Module, private: bool) -> nn.Module:
+    """The module tree a bridge may rewire: ``model`` itself when it is ``private``, else a deep copy."""
+    return (model if private else copy.deepcopy(model)).eval()
+
+
+def _pass_through_bridge(model: nn.Module, tokenizer: Any, private: bool = False) -> Any:
     arch = _check(model)
     head = model.get_output_embeddings()
     d_vocab = head.weight.shape[0]
-    local = copy.deepcopy(model).eval()
+    expected_bias = head.bias.detach().clone() if head.bias is not None else torch.zeros(d_vocab, dtype=head.weight.dtype)
+    local = _private(model, private)
     # The head is its own module (possibly with a bias); nothing must re-tie it to the embedding.
     local.config.tie_word_embeddings = False
     local_head = local.get_output_embeddings()  # the bridge replaces the attribute with its own component
@@ -259,7 +267,6 @@ def _pass_through_bridge(model: nn.Module, tokenizer: Any) -> Any:
     unembed = bridge.unembed.original_component
     if unembed is not local_head:  # pragma: no cover - guards a TL behaviour change
         raise RuntimeError("the bridge's unembedding does not wrap the model's unembedding")
-    expected_bias = head.bias if head.bias is not None else torch.zeros(d_vocab, dtype=head.weight.dtype)
     if not torch.equal(bridge.b_U.detach().cpu(), expected_bias.detach().cpu()):  # pragma: no cover
         raise RuntimeError("the bridge's unembedding bias differs from the model's head bias")
 
@@ -294,12 +301,23 @@ def _make_affine(model: nn.Module) -> None:
         module.elementwise_affine = True
 
 
+def _folds_value_biases(model: nn.Module, arch: Architecture) -> bool:
+    """Whether TL's ``fold_value_biases`` step can change anything: not for an RMSNorm model without
+    attention biases (no value bias to fold, no output bias to centre), where it would only copy every
+    weight once more (1.7 GB for Gemma 3 270M) before the bridge takes them."""
+    if arch.norm_kind == "layer":
+        return True
+    return any(name.endswith("bias") for i in range(arch.n_layers)
+               for name, _ in model.get_submodule(arch.block(i, arch.attention)).named_parameters())
+
+
 def bridge_from_layernorm(
     model: nn.Module,
     tokenizer: Any = None,
     *,
     compatibility_mode: bool = True,
     center_unembed: bool = False,
+    private: bool = False,
 ) -> Any:
     """A ``TransformerBridge`` around a model with real norms (LayerNorm or RMSNorm).
 
@@ -309,19 +327,21 @@ def bridge_from_layernorm(
     LayerNorms are folded into the following layers and the writing weights centred (TL's
     ``enable_compatibility_mode``); ``center_unembed`` is off by default so that the bridge's
     logits equal the HF model's (centring shifts each position's logits by a constant).  The
-    caller's model and tokenizer are not modified.
+    caller's model and tokenizer are not modified, unless ``private`` (see :func:`bridge_from_folded`).
     """
     arch = _check(model)
     eps = _common_eps(model)
 
-    local = copy.deepcopy(model).eval()
+    local = _private(model, private)
     _make_affine(local)
     arch.set_eps(local.config, eps)  # TL's norm bridge reads cfg.eps, not the module's eps
+    value_biases = _folds_value_biases(local, arch)
     bridge = _build_bridge_from_module()(local, arch.bridge_architecture, hf_config=local.config)
     if float(bridge.cfg.eps) != eps:  # pragma: no cover - guards a TL behaviour change
         raise RuntimeError(f"bridge cfg.eps={bridge.cfg.eps} differs from the LayerNorm eps {eps}")
     if compatibility_mode:
-        bridge.enable_compatibility_mode(disable_warnings=True, center_unembed=center_unembed)
+        bridge.enable_compatibility_mode(disable_warnings=True, center_unembed=center_unembed,
+                                         fold_value_biases=value_biases)
     _attach_tokenizer(bridge, tokenizer)
     bridge.lnfree_norm_kind = arch.norm_kind
     bridge.lnfree_norm_weight_offset = arch.norm_weight_offset
@@ -341,6 +361,16 @@ def as_batch(input_ids: Any, bridge: Any) -> torch.Tensor:
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, pos] or [pos], got shape {tuple(ids.shape)}")
     return ids.to(bridge.cfg.device)
+
+
+def _keep_last_position(x: torch.Tensor, hook: Any) -> torch.Tensor:
+    return x[:, -1:]
+
+
+#: A forward hook (name, function) after which the unembedding sees only each sequence's last position:
+#: logits ``[batch, 1, d_vocab]`` instead of ``[batch, pos, d_vocab]``, for passes that read no other
+#: position's logits (a Gemma-sized vocabulary makes them the largest tensor of a pass).
+LAST_POSITION_LOGITS = ("unembed.hook_in", _keep_last_position)
 
 
 def bridge_logits(bridge: Any, input_ids: Any) -> torch.Tensor:

@@ -440,6 +440,7 @@ def eval_(
         fail(str(err))
     write_report(report, out, save_tokens=save_tokens, overwrite=overwrite)
     typer.echo(markdown(report))
+    typer.echo(f"peak memory: {report.settings['peak_memory_gb']:.2f} GB (this process's peak RSS)")
     typer.echo(f"written to {out}/ (comparison.md, summary.json, one JSON + CSV per model)")
 
 

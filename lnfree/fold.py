@@ -50,19 +50,26 @@ def folded_class(cls: type) -> type:
     return _FOLDED_CLASSES[cls]
 
 
+#: Output features folded at once: bounds the fp64 temporaries (8,192 columns of Gemma 3's unembedding:
+#: 40 MB, where all 262,144 of them would take 1.3 GB per copy). Each column's numbers are its own.
+FOLD_CHUNK = 8192
+
+
 def _fold_into(proj: nn.Module, conv1d: bool, columns: torch.Tensor, scale: torch.Tensor,
                norm_bias: torch.Tensor | None, centred: bool, original: torch.Tensor) -> None:
-    """Fold a norm (scale w/σ, optional bias, centring) into `columns` of a consumer, from its original weight."""
-    w = original[:, columns].double()  # (in, out)
-    folded = w * scale[:, None]
-    if centred:
-        folded = folded - folded.mean(dim=0, keepdim=True)
+    """Fold a norm (scale w/σ, optional bias, centring) into `columns` of a consumer, from its original weight,
+    `FOLD_CHUNK` columns at a time (each is read before it is written: `original` may be the live weight)."""
+    if norm_bias is not None and proj.bias is None:
+        raise FoldError(f"a {type(proj).__name__} without bias cannot absorb the norm's bias")
     target = in_out(proj.weight, conv1d)
-    target[:, columns] = folded.to(target.dtype)
-    if norm_bias is not None:
-        if proj.bias is None:
-            raise FoldError(f"a {type(proj).__name__} without bias cannot absorb the norm's bias")
-        proj.bias[columns] += (norm_bias.double() @ w).to(proj.bias.dtype)
+    for part in columns.split(FOLD_CHUNK):
+        w = original[:, part].double()  # (in, out)
+        folded = w * scale[:, None]
+        if centred:
+            folded = folded - folded.mean(dim=0, keepdim=True)
+        target[:, part] = folded.to(target.dtype)
+        if norm_bias is not None:
+            proj.bias[part] += (norm_bias.double() @ w).to(proj.bias.dtype)
 
 
 def _head_with_bias(head: nn.Module, bias: bool) -> nn.Linear:
@@ -96,8 +103,11 @@ def fold(model: nn.Module) -> nn.Module:
     wanted = folded.state_dict()
     folded.load_state_dict({k: v for k, v in model.state_dict().items() if k in wanted}, strict=False)
     if arch.tied:  # the head must be its own parameter before the final norm folds into it
-        head = folded.get_submodule(arch.unembedding)
-        head.weight = nn.Parameter(model.get_submodule(arch.unembedding).weight.detach().clone())
+        head, source = folded.get_submodule(arch.unembedding), model.get_submodule(arch.unembedding).weight
+        if head.weight is folded.get_input_embeddings().weight or head.weight.shape != source.shape:
+            head.weight = nn.Parameter(source.detach().clone())
+        else:  # its own already: filled in place (no second vocabulary-sized copy alive at once)
+            head.weight.copy_(source)
     centred = arch.norm_kind == "layer"
     for site in arch.sites():
         norm = model.get_submodule(site.module)
@@ -108,7 +118,8 @@ def fold(model: nn.Module) -> nn.Module:
                 folded.set_submodule(consumer.path, _head_with_bias(folded.get_submodule(consumer.path), True))
             proj = folded.get_submodule(consumer.path)
             conv1d = arch.conv1d and consumer.path != arch.unembedding
-            original = in_out(proj.weight, conv1d).detach().clone()
+            # read before written, column by column (the unembedding's copy would be 0.67 GB for Gemma 3)
+            original = in_out(proj.weight, conv1d).detach()
             width = original.shape[1]
             if site.folds_into_producer:  # rows of the producer: (W x + c) (per head), times w/σ per dimension
                 scale = (weight / norm.state.sigma.double()).repeat(width // weight.numel())

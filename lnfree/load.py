@@ -89,11 +89,31 @@ class LoadedModel:
 
     def bridge(self):
         """(c) A TransformerLens 4 `TransformerBridge`: exact for LN-free and partially removed models."""
+        # folded() and with_norm_modules() build new models: the bridge takes them over (no second copy)
         if self.fully_ln_free:
-            return bridge.bridge_from_folded(self.folded(), self.tokenizer)
+            return bridge.bridge_from_folded(_sharing_embedding(self.folded(), self.model), self.tokenizer,
+                                             private=True)
+        network = _sharing_embedding(with_norm_modules(self.model), self.model)
         if any(n["fixed"] for n in self.norms.values()):
-            return bridge.bridge_with_own_norms(with_norm_modules(self.model), self.tokenizer)
-        return bridge.bridge_from_layernorm(with_norm_modules(self.model), self.tokenizer)
+            return bridge.bridge_with_own_norms(network, self.tokenizer, private=True)
+        return bridge.bridge_from_layernorm(network, self.tokenizer, private=True)
+
+
+@torch.no_grad()
+def _sharing_embedding(network: nn.Module, model: nn.Module) -> nn.Module:
+    """``network`` (a new model made from ``model``) with its token embedding sharing ``model``'s memory
+    when the two hold the same values: nothing writes a bridge's weights in place (TransformerLens's
+    weight processing copies before it changes any), and a large vocabulary's embedding is the
+    largest weight (Gemma 3 270M: 0.67 GB of 1.07 GB) of the copy a bridge is built from."""
+    mine, theirs = network.get_input_embeddings().weight, model.get_input_embeddings().weight
+    if mine.shape != theirs.shape or mine.dtype != theirs.dtype or not torch.equal(mine, theirs):
+        return network
+    head = network.get_output_embeddings()
+    shared = nn.Parameter(theirs.detach(), requires_grad=mine.requires_grad)
+    network.get_input_embeddings().weight = shared
+    if head is not None and head.weight is mine:  # tied: stays tied
+        head.weight = shared
+    return network
 
 
 @torch.no_grad()

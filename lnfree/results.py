@@ -1,9 +1,12 @@
 """Results as files and numbers, for the evaluation and every analysis: model labels, bootstrap
-confidence intervals, CSV tables and JSON summaries (wall-clock seconds in a file of their own)."""
+confidence intervals, CSV tables and JSON summaries (wall-clock seconds in a file of their own), and
+the process's peak memory."""
 
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -109,3 +112,12 @@ def write_summary(summary: dict, out_dir: str | Path, name: str = "summary") -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path
+
+
+def peak_memory_gb() -> float:
+    """This process's peak resident memory so far, in GB (2**30 bytes; `ru_maxrss`), rounded to 3 decimals.
+
+    A peak over the process's whole life: a later step reports at least what an earlier one reached.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 3)  # bytes on macOS, KiB elsewhere

@@ -360,3 +360,65 @@ def test_a_gpt2_without_scaled_attention_is_refused_by_the_bridge():
     model.config.scale_attn_weights = False
     with pytest.raises(ValueError, match="scale_attn_weights=False is not supported"):
         bridge_with_own_norms(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: no copy the bridge does not need
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3", "neox-parallel", "gemma3", "olmo2"])
+def test_value_bias_fold_is_skipped_only_where_it_changes_nothing(family, monkeypatch):
+    """TL's fold_value_biases copies every weight; for an RMSNorm model without attention biases it has
+    nothing to fold, and the bridge built without it is the same, weight for weight."""
+    import lnfree.bridge as lb
+    from families import tiny_family
+    from lnfree.arch import architecture
+
+    model = tiny_family(family, vocab_size=50)
+    has_biases = family in ("gpt2", "qwen2", "neox-parallel")
+    assert lb._folds_value_biases(model, architecture(model)) is has_biases
+    if has_biases:
+        return
+    lean = bridge_from_layernorm(model)
+    monkeypatch.setattr(lb, "_folds_value_biases", lambda *args: True)
+    folding = bridge_from_layernorm(model)
+    lean_state, folding_state = lean.state_dict(), folding.state_dict()
+    assert set(lean_state) == set(folding_state)
+    for name, value in lean_state.items():
+        assert torch.equal(value, folding_state[name]), name
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(bridge_logits(lean, ids), bridge_logits(folding, ids))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_loaded_bridges_share_the_embedding_and_never_write_it(family, tokenizer, tmp_path):
+    """`LoadedModel.bridge()` builds on a new model whose token embedding is the loaded model's own
+    memory (one vocabulary-sized copy fewer): the bridges still match, and the model is unchanged."""
+    from families import tiny_family
+    from lnfree import surgery
+    from lnfree.export import write_export
+    from lnfree.load import load
+
+    base = tiny_family(family, vocab_size=len(tokenizer))
+    base.save_pretrained(tmp_path / "original")
+    tokenizer.save_pretrained(tmp_path / "original")
+    installed = surgery.install(copy.deepcopy(base))
+    ids = torch.randint(0, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    surgery.initialise_sigmas(installed, [ids])
+    for state in surgery.scale_states(installed).values():
+        state.switch_to_fixed()
+    write_export(installed, tokenizer, tmp_path / "ln_free", {"note": "test"})
+    for folder in ("original", "ln_free"):
+        loaded = load(tmp_path / folder)
+        snap = snapshot(loaded.model)
+        with torch.no_grad():
+            expected = loaded.model(input_ids=ids).logits
+        bridge = loaded.bridge()
+        err = (bridge_logits(bridge, ids) - expected).abs().max().item()
+        assert err < TOL, (folder, err)
+        residual_decomposition(bridge, ids, per_head=True)
+        assert_unchanged(loaded.model, snap)
+        if folder == "ln_free":  # a pass-through bridge runs on the shared embedding itself
+            shared = loaded.model.get_input_embeddings().weight
+            assert bridge.embed.W_E.data_ptr() == shared.data_ptr()

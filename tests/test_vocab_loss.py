@@ -139,7 +139,8 @@ def test_the_objective_with_the_chunked_loss_gives_the_plain_terms_and_gradients
     assert term["kl"] > 0 and got[len(TERMS) + TERMS.index("cov_kl")] > 0
     weighted = 0.5 * term["ce"] + 0.5 * term["kl"] + 0.1 * term["aux"] + 0.1 * term["scale"]
     torch.testing.assert_close(term["loss"], weighted)
-    cov_loss, cov_kl, cov_tail = got[len(TERMS)], got[-2], got[-1]
+    cov = {name: got[len(TERMS) + i] for i, name in enumerate(TERMS)}  # the coverage rows' terms
+    cov_loss, cov_kl, cov_tail = cov["loss"], cov["cov_kl"], cov["cov_tail"]
     torch.testing.assert_close(cov_loss, 0.5 * cov_kl + cov_tail)  # the coverage's kl_weight and weight
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert grads.keys() == expected_grads.keys()

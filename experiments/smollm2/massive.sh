@@ -20,7 +20,7 @@ stage=${1:-ln_f_only}
 
 runs=runs/smollm2-135m-massive
 out=$RESULTS/smollm2-135m/$stage
-eval_args=(--dataset realtext --context 64 --n-sequences 66 --overwrite)  # --overwrite: a rerun replaces the results
+eval_args=(--dataset realtext --context 64 --overwrite)  # the whole test split; --overwrite: a rerun replaces the results
 analysis_args=(--dataset realtext --n-sequences 8 --length 64 --n-prompts 8 --n-bootstrap 200 --batch-size 4 --device cpu
   --overwrite)
 

@@ -39,19 +39,14 @@ def run_analyses(
     `overwrite` (`lnfree.analysis.folder`). An analysis that cannot run on these models
     (:class:`NotApplicable`, e.g. IOI patching with a tokenizer that has no single-token names) is
     skipped with its reason in the index's ``skipped``; the others still run. Figures share one
-    offline copy of plotly.js in `out`.
+    offline copy of plotly.js in `out`. Each analysis frees its bridges when done; the process's
+    peak memory when each finished goes to ``timings.json`` (``peak_memory_gb``) beside its seconds.
     """
-    from lnfree.analysis.common import (
-        NotApplicable,
-        analysis_progress,
-        evaluation_tokens,
-        load_models,
-        quiet_libraries,  # fmt: skip
-        shared_plotly_js,
-    )
-    from lnfree.analysis.folder import check_folder, earlier_index, kept_analyses, remove_replaced
+    from lnfree.analysis.common import (NotApplicable, analysis_progress, evaluation_tokens, load_models,  # fmt: skip
+                                        quiet_libraries, release_bridges, shared_plotly_js)
+    from lnfree.analysis.folder import check_folder, earlier_index, earlier_peaks, kept_analyses, remove_replaced
     from lnfree.data import bos_token, tokenizer_fingerprint
-    from lnfree.results import model_labels
+    from lnfree.results import model_labels, peak_memory_gb
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
@@ -77,6 +72,7 @@ def run_analyses(
                                        bos_token_id=bos_token(models[0].loaded.model, models[0].tokenizer))
         remove_replaced(out, keep)
         summaries, skipped, timings = kept_analyses(out, keep)
+        peaks = earlier_peaks(out, keep)
         for name in names:
             started = time.perf_counter()
             kwargs = {"seed": seed, "n_bootstrap": n_bootstrap, **(
@@ -89,9 +85,12 @@ def run_analyses(
                 skipped[name] = str(err)
                 typer.secho(f"{name}: skipped: {err}", fg=typer.colors.YELLOW, err=True)
                 continue
-            timings[name] = round(time.perf_counter() - started, 1)
+            finally:
+                release_bridges(models)
+            timings[name], peaks[name] = round(time.perf_counter() - started, 1), peak_memory_gb()
             summaries[name] = summary
-            typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {timings[name]} s → {out / name}")
+            typer.echo(f"{name}: {len(summary.get('figures', []))} figures, {timings[name]} s, peak memory "
+                       f"{peaks[name]:.2f} GB → {out / name}")
     earlier_tokens = (earlier_index(out) or {}).get("tokens") if keep else None
     index = {
         "models": {m.label: {"source": str(m.loaded.source), "repr": repr(m.loaded)} for m in models},
@@ -102,17 +101,19 @@ def run_analyses(
         "analyses": summaries,
         "skipped": skipped,
     }
-    return _write_index(index, timings, out)
+    return _write_index(index, timings, peaks, out)
 
 
-def _write_index(index: dict, seconds: dict, out: Path) -> dict:
-    """Write index.json (analyses in `ANALYSES` order), timings.json and the index pages; returns the index."""
+def _write_index(index: dict, seconds: dict, peaks: dict, out: Path) -> dict:
+    """Write index.json (analyses in `ANALYSES` order), timings.json (seconds and peak memory, GB) and the
+    index pages; returns the index."""
     from lnfree.results import TIMINGS, write_summary
 
     for key in ("analyses", "skipped"):
         index[key] = {n: index[key][n] for n in ANALYSES if n in index[key]}
     write_summary(index, out, "index")
-    write_summary({"seconds": {n: seconds[n] for n in ANALYSES if n in seconds}}, out, TIMINGS)
+    write_summary({"seconds": {n: seconds[n] for n in ANALYSES if n in seconds},
+                   "peak_memory_gb": {n: peaks[n] for n in ANALYSES if n in peaks}}, out, TIMINGS)
     write_index_pages(index, out)
     clear_stale(out)
     return index
@@ -149,9 +150,12 @@ def analyze(
                              batch_size=batch_size, device=device, progress=progress, overwrite=overwrite)  # fmt: skip
     except (ValueError, OSError) as err:
         fail(str(err))
+    from lnfree.results import peak_memory_gb
+
     tables = headline_tables(index)
     if tables:
         typer.echo("\n" + tables)
+    typer.echo(f"peak memory: {peak_memory_gb():.2f} GB (this process's peak RSS; per analysis: {out / 'timings.json'})")
     typer.echo(f"index: {out / 'index.html'} ({out / 'index.md'})")
     if any(n in names for n in index["skipped"]):
         skipped = ", ".join(n for n in index["skipped"] if n in names)

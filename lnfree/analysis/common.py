@@ -4,6 +4,7 @@ tables and summaries: `lnfree.results`)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import warnings
@@ -18,6 +19,18 @@ import torch
 from lnfree.evaluate import EvalError, load_sequences, resolve_dataset, resolve_device
 from lnfree.load import LoadedModel, load
 from lnfree.results import model_labels
+
+
+#: Logits (fp32 values) one forward pass of an analysis may hold: 2**26, 256 MB, i.e. 256 positions of
+#: Gemma 3's 262,144-token vocabulary or 1,335 of GPT-2's. Analyses run as many sequences per pass as
+#: fit (`logit_rows`), never fewer than one.
+LOGITS_BUDGET = 2**26
+
+
+def logit_rows(n_pos: int, vocab: int, largest: int) -> int:
+    """Sequences of ``n_pos`` positions per forward pass: at most ``largest``, and no more than keep their
+    logits within `LOGITS_BUDGET` (at least 1)."""
+    return max(1, min(int(largest), LOGITS_BUDGET // max(1, int(n_pos) * int(vocab))))
 
 
 class NotApplicable(ValueError):
@@ -49,11 +62,36 @@ class AnalysisModel:
         return self.loaded.fully_ln_free
 
     def bridge(self):
-        """The model's TransformerLens bridge (built once): exact LN-free, or folded LN."""
+        """The model's TransformerLens bridge (built once, until :meth:`release_bridge`): exact LN-free or
+        folded LN."""
         if self._bridge is None:
             self._bridge = self.loaded.bridge()
             _report_forwards(self._bridge, self)
         return self._bridge
+
+    def release_bridge(self) -> None:
+        """Drop the cached bridge (a copy of the model's weights, an untied unembedding often beside them)
+        and collect it: an analysis done with a model frees its bridge before the next model's is built."""
+        self._bridge = None
+        gc.collect()
+
+
+@contextlib.contextmanager
+def bridge_of(model: AnalysisModel) -> Iterator[Any]:
+    """``model``'s bridge for one analysis step, released afterwards unless it was built before (a
+    caller's cached bridge stays): run one model at a time, one bridge is alive at a time."""
+    cached = model._bridge is not None
+    try:
+        yield model.bridge()
+    finally:
+        if not cached:
+            model.release_bridge()
+
+
+def release_bridges(models: Sequence[AnalysisModel]) -> None:
+    """Free every model's cached bridge (and collect): between analyses, nothing of the last one stays."""
+    for model in models:
+        model.release_bridge()
 
 
 def _report_forwards(network: torch.nn.Module, model: AnalysisModel) -> None:

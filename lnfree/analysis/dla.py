@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.analysis.common import AnalysisModel, bridge_of, logit_rows, write_figure
 from lnfree.analysis.palette import BAR_LABEL, quantity_colour
 from lnfree.results import ratio_of_means_ci, write_summary, write_table
 from lnfree.attribution import (
@@ -211,8 +211,10 @@ def dla_and_direct_effect(bridge: Any, tokens: torch.Tensor, *, batch_size: int 
     """DLA and DE of every component (per head) of ``bridge`` on ``tokens [n_seq, n_pos]``.
 
     Targets are the next tokens: position ``p`` is scored on ``tokens[:, p + 1]``, for
-    ``p = 0 .. n_pos - 2``.  Runs the bridge in batches of ``batch_size`` sequences without
-    gradients.  Works for exact LN-free bridges (DE == DLA up to rounding) and LayerNorm bridges in
+    ``p = 0 .. n_pos - 2``.  Runs the bridge without gradients in batches of ``batch_size``
+    sequences, fewer where their logits would pass `lnfree.analysis.common.LOGITS_BUDGET` (a
+    sequence's numbers are its own: the batch changes at most the forward pass's fp32 rounding).
+    Works for exact LN-free bridges (DE == DLA up to rounding) and LayerNorm bridges in
     compatibility mode (DLA at the cached final-norm scale, DE with the norm recomputed).
     """
     _check_final_norm(bridge)
@@ -221,6 +223,7 @@ def dla_and_direct_effect(bridge: Any, tokens: torch.Tensor, *, batch_size: int 
         raise ValueError(f"tokens must be [n_seq, n_pos] with n_pos >= 2, got {tuple(tokens.shape)}")
     dla, de, bias, target_logits = [], [], [], []
     labels: list[str] | None = None
+    batch_size = logit_rows(tokens.shape[1], bridge.cfg.d_vocab, batch_size)
     for start in range(0, tokens.shape[0], batch_size):
         batch = tokens[start:start + batch_size]
         decomposition = residual_decomposition(bridge, batch, per_head=True)
@@ -232,6 +235,7 @@ def dla_and_direct_effect(bridge: Any, tokens: torch.Tensor, *, batch_size: int 
             de.append(e.cpu())
             bias.append(b.cpu())
             target_logits.append(t.cpu())
+        del decomposition  # its logits, before the next batch's forward pass makes its own
     assert labels is not None
     described = [_describe(label) for label in labels]
     return DlaResult(
@@ -366,7 +370,8 @@ def run(
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     tables, global_rows, figures, per_model = [], [], [], {}
     for model in models:
-        result = dla_and_direct_effect(model.bridge(), tokens, batch_size=batch_size)
+        with bridge_of(model) as bridge:
+            result = dla_and_direct_effect(bridge, tokens, batch_size=batch_size)
         table = component_table(result, model.label)
         tables.append(table)
         stats = {key: global_nmae(result, kind=kind, n_resamples=n_bootstrap, seed=seed)

@@ -74,16 +74,18 @@ Notebook use::
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.analysis.common import AnalysisModel, bridge_of, write_figure
 from lnfree.analysis.entropy_neurons_ablation import (
     AblationEffects,
     AblationSets,
@@ -107,6 +109,7 @@ from lnfree.analysis.entropy_neurons_candidates import (
     parse_neurons,
     rank_candidates,
     unembedding,
+    unembedding_columns,
 )
 from lnfree.analysis.entropy_neurons_figures import figures
 from lnfree.analysis.entropy_neurons_tables import TableRows, model_summary
@@ -133,6 +136,7 @@ __all__ = [
     "run",
     "select_neurons",
     "unembedding",
+    "unembedding_columns",
 ]
 
 #: Paper P25 numbers for GPT-2 small (original / vanilla fine-tuned / LN-free).
@@ -148,8 +152,9 @@ REFERENCE_GPT2_SMALL: dict[str, dict[str, float]] = {
 
 
 def _shape(model: AnalysisModel) -> tuple[int, int, int]:
-    cfg = model.bridge().cfg
-    return int(cfg.n_layers), int(cfg.d_model), int(cfg.d_mlp)
+    """``(n_layers, d_model, d_mlp)`` of a model, from its architecture (no bridge needed)."""
+    arch = model.loaded.arch
+    return arch.n_layers, arch.hidden, arch.intermediate
 
 
 def select_neurons(
@@ -214,6 +219,8 @@ def run(
     * Each neuron is ablated alone and cumulatively (the first 2, 3, ... of the list together;
       "top-1" is the first single ablation), with each model's own dataset-mean activations over
       ``tokens [batch, pos]``.  ``batch_tokens`` bounds the tokens per forward pass.
+    * One model at a time: a model's bridge is built for its ranking and ablations and released
+      after them (unless the caller had it built already), so one bridge is in memory at a time.
 
     Writes (tidy CSVs) ``candidates`` (every neuron of every model, ranked), ``null_space_spectrum``
     (selected neurons' share of ‖w_out‖² in the bottom-k directions, every k), ``ablations`` (one
@@ -227,28 +234,34 @@ def run(
     """
     labels, reference = _check_models(models, reference)
     timings: dict[str, dict[str, float]] = {label: {} for label in labels}
-    shape = _build_bridges(models, timings)
+    shape = _common_shape(models)
     rank_layer = shape[0] - 1 if layer is None else int(layer)
     null_k = default_null_k(shape[1]) if null_k is None else int(null_k)
     tokens = _check_tokens(tokens)
-    rankings, bases = _rank_models(models, rank_layer, null_k, timings)
-    selected, selection = _selected_neurons(shape, rankings[reference], reference, layer=layer, neurons=neurons,
-                                            top_k=top_k)
-    ablations = ablation_sets(selected)
-    plan = _Plan(
-        tokens=tokens, rank_layer=rank_layer, null_k=null_k, selected=selected, selection=selection,
-        ablations=ablations,
-        token_sequences=_per_token_sequences(tokens.shape, len(models) * len(ablations.sets), max_token_rows, seed),
-        top_k=top_k, batch_tokens=batch_tokens, n_bootstrap=n_bootstrap, seed=seed,
-    )
-    rows = TableRows()
-    per_model = {m.label: _analyse_model(m, rankings[m.label], bases[m.label], plan, rows, timings[m.label])
-                 for m in models}
+    ranked: dict[str, tuple[pd.DataFrame, tuple[torch.Tensor, torch.Tensor]]] = {}
+    if models[0].label != reference:  # the reference's ranking chooses the neurons: rank it first
+        model = models[labels.index(reference)]
+        with _timed_bridge(model, shape, timings[reference]) as bridge:
+            ranked[reference] = _rank(bridge, rank_layer, null_k, timings[reference])
+    plan, rows, per_model = None, TableRows(), {}
+    for model in models:  # one model (and one bridge) at a time
+        with _timed_bridge(model, shape, timings[model.label]) as bridge:
+            if model.label not in ranked:
+                ranked[model.label] = _rank(bridge, rank_layer, null_k, timings[model.label])
+            if plan is None:
+                selected, selection = _selected_neurons(shape, ranked[reference][0], reference, layer=layer,
+                                                        neurons=neurons, top_k=top_k)
+                ablations = ablation_sets(selected)
+                plan = _Plan(tokens, rank_layer, null_k, selected, selection, ablations, _per_token_sequences(
+                    tokens.shape, len(models) * len(ablations.sets), max_token_rows, seed), top_k, batch_tokens,
+                    n_bootstrap, seed)
+            per_model[model.label] = _analyse_model(model, bridge, *ranked[model.label], plan, rows,
+                                                    timings[model.label])
 
     out_dir = Path(out_dir)
     tables = rows.tables()
     table_paths = [str(write_table(table, out_dir, name)) for name, table in tables.items()]
-    figure_paths = [str(path) for name, figure in figures(tables, ablations.names).items()
+    figure_paths = [str(path) for name, figure in figures(tables, plan.ablations.names).items()
                     for path in write_figure(figure, out_dir, name)]
     summary = _summary(labels, reference, plan, per_model, table_paths, figure_paths)
     write_summary(summary, out_dir)
@@ -267,16 +280,24 @@ def _check_models(models: list[AnalysisModel], reference: str | None) -> tuple[l
     return labels, reference
 
 
-def _build_bridges(models: list[AnalysisModel], timings: dict[str, dict[str, float]]) -> tuple[int, int, int]:
-    """Build every model's bridge (timed); return their common shape ``(n_layers, d_model, d_mlp)``."""
-    for m in models:
-        t0 = time.perf_counter()
-        m.bridge()  # built once and cached by AnalysisModel
-        timings[m.label]["bridge_s"] = time.perf_counter() - t0
+def _common_shape(models: list[AnalysisModel]) -> tuple[int, int, int]:
+    """The models' common shape ``(n_layers, d_model, d_mlp)``; an error if they differ."""
     shapes = {_shape(m) for m in models}
     if len(shapes) != 1:
         raise ValueError(f"models differ in shape (n_layers, d_model, d_mlp): {sorted(shapes)}")
     return shapes.pop()
+
+
+@contextlib.contextmanager
+def _timed_bridge(model: AnalysisModel, shape: tuple[int, int, int], timings: dict[str, float]) -> Iterator[Any]:
+    """``model``'s bridge (`bridge_of`: released afterwards), its build time in ``timings["bridge_s"]``."""
+    t0 = time.perf_counter()
+    with bridge_of(model) as bridge:
+        timings["bridge_s"] = time.perf_counter() - t0
+        cfg = bridge.cfg
+        if (int(cfg.n_layers), int(cfg.d_model), int(cfg.d_mlp)) != shape:  # pragma: no cover - TL vs lnfree.arch
+            raise RuntimeError(f"the bridge of {model.label} has another shape than its architecture says {shape}")
+        yield bridge
 
 
 def _check_tokens(tokens: torch.Tensor) -> torch.Tensor:
@@ -287,19 +308,14 @@ def _check_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def _rank_models(
-    models: list[AnalysisModel], rank_layer: int, null_k: int, timings: dict[str, dict[str, float]],
-) -> tuple[dict[str, pd.DataFrame], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Each model's candidate ranking in ``rank_layer`` and its :func:`null_space_basis` (timed), by label."""
-    rankings: dict[str, pd.DataFrame] = {}
-    bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for m in models:
-        t0 = time.perf_counter()
-        bridge = m.bridge()
-        bases[m.label] = null_space_basis(unembedding(bridge), centre=norm_centres(bridge))
-        rankings[m.label] = rank_candidates(bridge, rank_layer, null_k=null_k, basis=bases[m.label][0])
-        timings[m.label]["ranking_s"] = time.perf_counter() - t0
-    return rankings, bases
+def _rank(bridge: Any, rank_layer: int, null_k: int,
+          timings: dict[str, float]) -> tuple[pd.DataFrame, tuple[torch.Tensor, torch.Tensor]]:
+    """A model's candidate ranking in ``rank_layer`` and its :func:`null_space_basis` (timed)."""
+    t0 = time.perf_counter()
+    basis = null_space_basis(unembedding_columns(bridge), centre=norm_centres(bridge))
+    ranking = rank_candidates(bridge, rank_layer, null_k=null_k, basis=basis[0])
+    timings["ranking_s"] = time.perf_counter() - t0
+    return ranking, basis
 
 
 def _selected_neurons(
@@ -328,11 +344,11 @@ def _per_token_sequences(shape: tuple[int, int], n_tables: int, max_token_rows: 
     return np.sort(np.random.default_rng(seed).choice(n_seq, size=keep, replace=False))
 
 
-def _analyse_model(model: AnalysisModel, ranking: pd.DataFrame, basis: tuple[torch.Tensor, torch.Tensor],
-                   plan: _Plan, rows: TableRows, timings: dict[str, float]) -> dict:
+def _analyse_model(model: AnalysisModel, bridge: Any, ranking: pd.DataFrame,
+                   basis: tuple[torch.Tensor, torch.Tensor], plan: _Plan, rows: TableRows,
+                   timings: dict[str, float]) -> dict:
     """Add one model's rows to ``rows`` (its candidates and spectra, then its mean ablations, timed);
     return its ``per_model`` summary entry."""
-    bridge = model.bridge()
     rows.add_candidates(model.label, ranking, plan.selected)
     rows.add_spectra(model.label, bridge, plan.selected, *basis)
     t0 = time.perf_counter()

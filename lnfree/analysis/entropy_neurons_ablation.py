@@ -2,8 +2,9 @@
 the ablation sets :func:`lnfree.analysis.entropy_neurons.run` applies.
 
 Ablations are batched: the clean run and every ablation set are stacked along the batch dimension
-(up to ``batch_tokens`` tokens per forward pass), each row with its own replacement, applied by one
-forward hook per layer.
+(up to ``batch_tokens`` tokens per forward pass, fewer where their logits would pass
+`lnfree.analysis.common.LOGITS_BUDGET`), each row with its own replacement, applied by one forward
+hook per layer. The per-token statistics are computed a few positions at a time (`STATS_BUDGET`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lnfree.analysis.common import logit_rows
 from lnfree.analysis.entropy_neurons_candidates import Neuron, neuron_label
-from lnfree.bridge import hook_name
+from lnfree.bridge import LAST_POSITION_LOGITS, hook_name
 from lnfree.evaluate import token_statistics
+
+#: Vocabulary-wide values per slice of the per-token statistics: 2**22 (32 MB in float64 for each of
+#: their few temporaries), i.e. 16 positions of Gemma 3's 262,144-token vocabulary, 83 of GPT-2's.
+STATS_BUDGET = 2**22
 
 
 class AblationSets(NamedTuple):
@@ -46,7 +52,8 @@ def mean_activations(
     bridge: Any, tokens: torch.Tensor, layers: Sequence[int], *, batch_tokens: int = 4096,
 ) -> dict[int, torch.Tensor]:
     """Dataset-mean MLP activation (``mlp.hook_post``) per layer: ``{layer: [d_mlp] float64}``,
-    averaged over every token position of ``tokens [batch, pos]``."""
+    averaged over every token position of ``tokens [batch, pos]`` (no logits are read: the
+    unembedding sees only the last position)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     layers = sorted({int(layer) for layer in layers})
     sums = {layer: None for layer in layers}
@@ -61,7 +68,7 @@ def mean_activations(
 
     device = bridge.cfg.device
     rows = max(1, batch_tokens // tokens.shape[1])
-    hooks = [(hook_name("mlp_post", layer), accumulate(layer)) for layer in layers]
+    hooks = [*((hook_name("mlp_post", layer), accumulate(layer)) for layer in layers), LAST_POSITION_LOGITS]
     with bridge.hooks(fwd_hooks=hooks):
         for start, stop in _row_chunks(tokens.shape[0], rows):
             bridge(tokens[start:stop].to(device), return_type="logits")
@@ -97,9 +104,13 @@ class AblationEffects:
         return self.ablated_ce - self.ce
 
 
-def _token_stats(logits: torch.Tensor, ids: torch.Tensor, slice_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy ``[rows, pos]`` and next-token CE ``[rows, pos-1]``, in float64, ``slice_tokens`` at a time."""
+def _token_stats(
+    logits: torch.Tensor, ids: torch.Tensor, slice_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy ``[rows, pos]`` and next-token CE ``[rows, pos-1]``, in float64, ``slice_tokens`` at a time
+    (default: as many as `STATS_BUDGET` allows, at most 512; each token's numbers are its own)."""
     rows, n_pos, vocab = logits.shape
+    slice_tokens = slice_tokens or max(1, min(512, STATS_BUDGET // vocab))
     flat = logits.reshape(rows * n_pos, vocab)
     # Target of position t is token t+1; the last position of each row has none (dropped below).
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).reshape(-1).to(logits.device)
@@ -128,7 +139,8 @@ def ablation_effects(
     :func:`mean_activations` over ``tokens``) at every position.  The clean run and all sets are
     stacked along the batch dimension: each forward pass holds up to ``batch_tokens`` tokens
     (at least one sequence), rows belonging to different sets, each modified by its own
-    hook-applied replacement.
+    hook-applied replacement; fewer rows where their logits would pass
+    `lnfree.analysis.common.LOGITS_BUDGET` (at least one sequence).
     """
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_seq, n_pos = tokens.shape
@@ -146,7 +158,7 @@ def ablation_effects(
     entropy = torch.empty(len(all_sets), n_seq, n_pos, dtype=torch.float64)
     ce = torch.empty(len(all_sets), n_seq, n_pos - 1, dtype=torch.float64)
     device = bridge.cfg.device
-    rows_per_forward = max(1, batch_tokens // n_pos)
+    rows_per_forward = logit_rows(n_pos, bridge.cfg.d_vocab, max(1, batch_tokens // n_pos))
 
     for start, stop in _row_chunks(len(work), rows_per_forward):
         chunk = work[start:stop]
@@ -175,6 +187,7 @@ def ablation_effects(
         with bridge.hooks(fwd_hooks=hooks):
             logits = bridge(ids, return_type="logits")
         h, c = _token_stats(logits, ids)
+        del logits  # before the next forward pass makes its own
         entropy[set_idx, seq_idx] = h
         ce[set_idx, seq_idx] = c
 

@@ -7,7 +7,8 @@ neuron, from the ``W_U`` and ``W_out`` of a model's TransformerLens bridge ("Whi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,8 @@ KNOWN_ENTROPY_NEURONS: dict[tuple[int, int], list[Neuron]] = {
 }
 
 _EPS = 1e-30
+#: Vocabulary columns of ``W_U`` per block in the float64 maths below (8192 × d_model: 40 MB for Gemma 3).
+COLUMN_CHUNK = 8192
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,19 +84,59 @@ def centred(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x - x.mean(dim=dim, keepdim=True)
 
 
-def unembedding(bridge: Any) -> torch.Tensor:
+@dataclass(frozen=True)
+class UnembeddingColumns:
+    """:func:`unembedding` made ``chunk`` vocabulary columns at a time: the same float64 values, never the
+    whole matrix in float64 (Gemma 3's would take 1.3 GB, twice while it is centred)."""
+
+    weight: torch.Tensor  # the bridge's W_U [d_model, d_vocab], as it holds it
+    scale: torch.Tensor | None  # a weight its final norm still applies [d_model], float64
+    centre: bool  # centre each column over d_model
+    chunk: int = COLUMN_CHUNK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        """The columns, ``chunk`` at a time: float64 ``[d_model, chunk]`` blocks in vocabulary order."""
+        for start in range(0, self.weight.shape[1], self.chunk):
+            cols = self.weight[:, start:start + self.chunk].detach().to(torch.float64).cpu()
+            if self.scale is not None:
+                cols = cols * self.scale[:, None]
+            yield centred(cols, dim=0) if self.centre else cols
+
+
+def unembedding_columns(bridge: Any, chunk: int = COLUMN_CHUNK) -> UnembeddingColumns:
     """``W_U [d_model, d_vocab]`` as the bridge applies it ("Which weights" in
-    :mod:`lnfree.analysis.entropy_neurons`), centred over ``d_model``, float64.
+    :mod:`lnfree.analysis.entropy_neurons`), centred over ``d_model``, float64, read ``chunk`` columns
+    at a time (what :func:`logit_variance`, :func:`null_space_basis` and :func:`rank_candidates` use).
 
     A weight still held by the bridge's final norm (a partially LN-free model's own ``ln_f``) is
     folded in; after ``fold_ln`` (LN models) it is all ones, and LN-free bridges have none.
     """
-    W_U = bridge.W_U.detach().to(torch.float64).cpu()
+    W_U = bridge.W_U
     norm = getattr(getattr(bridge, "ln_final", None), "original_component", None)
     weight = norm_weight(bridge, norm) if norm is not None else None
+    scale = None
     if isinstance(weight, torch.Tensor) and weight.shape == (W_U.shape[0],):
-        W_U = W_U * weight.to(torch.float64).cpu()[:, None]
-    return centred(W_U, dim=0) if norm_centres(bridge) else W_U
+        scale = weight.to(torch.float64).cpu()
+    return UnembeddingColumns(W_U, scale, norm_centres(bridge), chunk)
+
+
+def unembedding(bridge: Any) -> torch.Tensor:
+    """:func:`unembedding_columns` as one float64 matrix ``[d_model, d_vocab]`` (8 bytes per weight)."""
+    return torch.cat(list(unembedding_columns(bridge).blocks()), dim=1)
+
+
+def _column_blocks(W_U: torch.Tensor | UnembeddingColumns, chunk: int) -> Iterator[torch.Tensor]:
+    """``W_U``'s columns in float64 blocks (its own blocks for :class:`UnembeddingColumns`)."""
+    if isinstance(W_U, UnembeddingColumns):
+        yield from W_U.blocks()
+        return
+    W = torch.as_tensor(W_U)
+    for start in range(0, W.shape[1], chunk):
+        yield W[:, start:start + chunk].to(torch.float64)
 
 
 def output_weights(bridge: Any, layer: int) -> torch.Tensor:
@@ -107,20 +150,21 @@ def _as_rows(vectors: torch.Tensor) -> torch.Tensor:
     return vectors.unsqueeze(0) if vectors.ndim == 1 else vectors
 
 
-def logit_variance(w_out: torch.Tensor, W_U: torch.Tensor, *, chunk: int = 8192) -> torch.Tensor:
+def logit_variance(
+    w_out: torch.Tensor, W_U: torch.Tensor | UnembeddingColumns, *, chunk: int = COLUMN_CHUNK,
+) -> torch.Tensor:
     """``Var_v cos(w_out[i], W_U[:, v])`` for every row ``i`` (population variance over the vocabulary).
 
-    ``w_out`` is ``[n, d_model]`` (or one ``[d_model]`` vector), ``W_U`` ``[d_model, d_vocab]``.
-    Computed through the d_model×d_model second-moment matrix of the unit-normalised columns, so
-    memory stays O(d_model²) for any vocabulary.  Zero columns count as cosine 0.
+    ``w_out`` is ``[n, d_model]`` (or one ``[d_model]`` vector), ``W_U`` ``[d_model, d_vocab]`` (or
+    :class:`UnembeddingColumns`).  Computed ``chunk`` columns at a time in float64 through the
+    d_model×d_model second-moment matrix of the unit-normalised columns, so memory stays O(d_model²)
+    for any vocabulary.  Zero columns count as cosine 0.
     """
     w = _as_rows(w_out)
-    W = torch.as_tensor(W_U, dtype=torch.float64)
-    d, vocab = W.shape
+    d, vocab = W_U.shape
     second = torch.zeros(d, d, dtype=torch.float64)
     first = torch.zeros(d, dtype=torch.float64)
-    for start in range(0, vocab, chunk):
-        cols = W[:, start:start + chunk]
+    for cols in _column_blocks(W_U, chunk):
         unit = cols / cols.norm(dim=0, keepdim=True).clamp_min(_EPS)
         second += unit @ unit.T
         first += unit.sum(dim=1)
@@ -138,7 +182,9 @@ def candidate_scores(w_out: torch.Tensor, W_U: torch.Tensor) -> torch.Tensor:
     return w.norm(dim=1) / logit_variance(w, W_U).clamp_min(_EPS)
 
 
-def null_space_basis(W_U: torch.Tensor, *, chunk: int = 8192, centre: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def null_space_basis(
+    W_U: torch.Tensor | UnembeddingColumns, *, chunk: int = COLUMN_CHUNK, centre: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left singular directions of the centred ``W_U``, smallest singular value first.
 
     Returns ``(directions [d_model, d_model-1], singular_values [d_model-1])``: the all-ones
@@ -146,13 +192,12 @@ def null_space_basis(W_U: torch.Tensor, *, chunk: int = 8192, centre: bool = Tru
     excluded, so ``directions[:, :k]`` are the k bottom non-trivial directions.  Uses the
     eigendecomposition of ``C W_U W_Uᵀ C`` (any vocabulary size, including d_vocab < d_model).
     With ``centre=False`` (RMSNorm families, whose norms do not centre) ``W_U`` is used as it is
-    and all ``d_model`` directions are returned.
+    and all ``d_model`` directions are returned. ``W_U`` (or :class:`UnembeddingColumns`) is read
+    ``chunk`` columns at a time in float64.
     """
-    W = torch.as_tensor(W_U, dtype=torch.float64)
-    d, vocab = W.shape
+    d = W_U.shape[0]
     gram = torch.zeros(d, d, dtype=torch.float64)
-    for start in range(0, vocab, chunk):
-        cols = W[:, start:start + chunk]
+    for cols in _column_blocks(W_U, chunk):
         cols = centred(cols, dim=0) if centre else cols
         gram += cols @ cols.T
     gram = (gram + gram.T) / 2
@@ -196,13 +241,13 @@ def rank_candidates(
 
     Columns: layer, neuron, rank (1 = best), score, w_out_norm, logit_var, null_space_fraction
     (bottom ``null_k`` directions), null_k.  ``basis``: a precomputed :func:`null_space_basis`
-    of :func:`unembedding` (``bridge``) directions, to avoid decomposing ``W_U`` twice.
+    of :func:`unembedding_columns` (``bridge``) directions, to avoid decomposing ``W_U`` twice.
     """
     n_layers = bridge.cfg.n_layers
     layer = n_layers - 1 if layer is None else int(layer)
     if not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} out of range for {n_layers} layers")
-    W_U = unembedding(bridge)
+    W_U = unembedding_columns(bridge)
     w_out = output_weights(bridge, layer)
     null_k = default_null_k(W_U.shape[0]) if null_k is None else int(null_k)
     if basis is None:

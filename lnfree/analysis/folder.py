@@ -83,13 +83,24 @@ def remove_replaced(out: Path, keep: list[str]) -> None:
             (folder / file).unlink(missing_ok=True)
 
 
+def _earlier_timings(out: Path, key: str, keep: list[str]) -> dict:
+    """One entry of the earlier timings.json in `out` ("seconds", "peak_memory_gb"), for the analyses kept."""
+    try:
+        values = json.loads((Path(out) / f"{TIMINGS}.json").read_text()).get(key, {})
+    except (OSError, ValueError, AttributeError):
+        values = {}
+    return {k: v for k, v in values.items() if k in keep}
+
+
+def earlier_peaks(out: Path, keep: list[str]) -> dict:
+    """The peak memory (GB) the earlier analyses that stay recorded in timings.json."""
+    return _earlier_timings(out, "peak_memory_gb", keep)
+
+
 def kept_analyses(out: Path, keep: list[str]) -> tuple[dict, dict, dict]:
     """(summaries, skipped, seconds) of the earlier analyses that stay, their paths inside `out`."""
     index = earlier_index(out) or {"analyses": {}, "skipped": {}}
-    try:
-        seconds = json.loads((Path(out) / f"{TIMINGS}.json").read_text()).get("seconds", {})
-    except (OSError, ValueError, AttributeError):
-        seconds = {}
+    seconds = _earlier_timings(out, "seconds", keep)
     summaries = {}
     for name in [n for n in keep if n in index["analyses"]]:
         summary = dict(index["analyses"][name])
@@ -97,4 +108,4 @@ def kept_analyses(out: Path, keep: list[str]) -> tuple[dict, dict, dict]:
             summary[kind] = [str(Path(out) / name / Path(p).name) for p in summary.get(kind, [])]
         summaries[name] = summary
     skipped = {k: v for k, v in index.get("skipped", {}).items() if k in keep}
-    return summaries, skipped, {k: v for k, v in seconds.items() if k in keep}
+    return summaries, skipped, seconds

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lnfree.analysis.common import bridge_of
 from lnfree.analysis.ioi import DEFAULT_TEMPLATES, make_ioi_prompts
 from lnfree.analysis.patching_agreement import agreement_per_prompt, agreement_summary
 from lnfree.analysis.patching_methods import (
@@ -121,7 +122,8 @@ def run(
     cells, per_prompt, agreement = [], [], []
     for model in models:
         prompts = make_ioi_prompts(model.tokenizer, n_prompts, seed=seed, templates=templates, prepend_bos=prepend_bos)
-        result = patch_ioi(model.bridge(), prompts, kinds, batch_size=batch_size, skip_unchanged=skip_unchanged)
+        with bridge_of(model) as bridge:
+            result = patch_ioi(bridge, prompts, kinds, batch_size=batch_size, skip_unchanged=skip_unchanged)
         info = model_summary(model.ln_free, result, kinds, n_bootstrap=n_bootstrap, seed=seed)
         results[model.label], per_model[model.label] = result, info
         cells += cell_rows(model.label, result)

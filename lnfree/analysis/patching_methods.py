@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from lnfree.analysis.common import logit_rows
 from lnfree.analysis.ioi import IOIPrompts
-from lnfree.bridge import hook_name
+from lnfree.bridge import LAST_POSITION_LOGITS, hook_name
 
 __all__ = [
     "KINDS",
@@ -44,11 +45,6 @@ def _device(bridge: Any) -> torch.device:
     return torch.device(bridge.cfg.device) if getattr(bridge.cfg, "device", None) else torch.device("cpu")
 
 
-def _last_position_only(x: torch.Tensor, hook: Any) -> torch.Tensor:
-    """Forward hook on the unembedding's input: keep the last position (only its logits are needed)."""
-    return x[:, -1:]
-
-
 def _io_minus_s(last_logits: torch.Tensor, io_ids: torch.Tensor, s_ids: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(last_logits.shape[0], device=last_logits.device)
     return last_logits[rows, io_ids] - last_logits[rows, s_ids]
@@ -56,7 +52,7 @@ def _io_minus_s(last_logits: torch.Tensor, io_ids: torch.Tensor, s_ids: torch.Te
 
 def _forward_last(bridge: Any, ids: torch.Tensor, fwd_hooks: Sequence = (), bwd_hooks: Sequence = ()) -> torch.Tensor:
     """Logits ``[batch, d_vocab]`` at the last position (the unembedding sees only that position)."""
-    hooks = [*fwd_hooks, ("unembed.hook_in", _last_position_only)]
+    hooks = [*fwd_hooks, LAST_POSITION_LOGITS]
     with bridge.hooks(fwd_hooks=hooks, bwd_hooks=list(bwd_hooks)):
         return bridge(ids, return_type="logits")[:, -1]
 
@@ -303,9 +299,12 @@ def patch_ioi(
     """Activation and attribution patching of every kind on ``prompts``, normalised per prompt.
 
     Shares the clean caches between the two methods; times each (``seconds``: the clean and
-    corrupted caches and metrics, the patched forward passes, the gradient pass).
+    corrupted caches and metrics, the patched forward passes, the gradient pass). A pass holds
+    ``batch_size`` prompts, fewer where their last-position logits would pass
+    `lnfree.analysis.common.LOGITS_BUDGET`.
     """
     vocab = bridge.cfg.d_vocab
+    batch_size = logit_rows(1, vocab, batch_size)
     if int(prompts.clean_ids.max()) >= vocab or int(prompts.corrupted_ids.max()) >= vocab:
         raise ValueError("the prompts contain token ids outside the model's vocabulary (wrong tokenizer?)")
     t0 = time.perf_counter()

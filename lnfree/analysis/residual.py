@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from lnfree.arch import architecture
-from lnfree.analysis.common import AnalysisModel, write_figure
+from lnfree.analysis.common import AnalysisModel, bridge_of, write_figure
 from lnfree.analysis.palette import model_colours
 from lnfree.results import bootstrap_ci, write_summary, write_table
-from lnfree.bridge import hook_name
+from lnfree.bridge import LAST_POSITION_LOGITS, hook_name
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -63,7 +63,8 @@ def residual_stream(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
     Entries ``0 .. n_layers - 1`` are the inputs of the blocks (``hidden_states[l]`` of
     ``output_hidden_states=True``); entry ``n_layers`` is the input of the final norm (the final
-    residual stream; transformers' last hidden state is taken *after* it).  No gradients.
+    residual stream; transformers' last hidden state is taken *after* it).  No gradients; the
+    unembedding computes the last position's logits only (``logits_to_keep=1``): none are read here.
     """
     arch = architecture(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
@@ -73,7 +74,7 @@ def residual_stream(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     try:
         with torch.no_grad():
             device = next(model.parameters()).device
-            out = model(input_ids=tokens.to(device), output_hidden_states=True)
+            out = model(input_ids=tokens.to(device), output_hidden_states=True, logits_to_keep=1)
     finally:
         handle.remove()
     if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
@@ -115,7 +116,8 @@ def attention_to_first(bridge: Any, tokens: torch.Tensor, *, batch_size: int = 8
     """Attention to key position 0, ``[n_layers, n_seq, n_heads, n_pos]`` (query positions last).
 
     Read from each layer's ``attn.hook_pattern`` of a TransformerLens bridge (the pattern is the
-    same with or without compatibility mode: folding LayerNorm does not change it).
+    same with or without compatibility mode: folding LayerNorm does not change it); the unembedding
+    sees only the last position (no logits are read).
     """
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_layers = bridge.cfg.n_layers
@@ -129,7 +131,7 @@ def attention_to_first(bridge: Any, tokens: torch.Tensor, *, batch_size: int = 8
 
             return fn
 
-        hooks = [(hook_name("pattern", layer), saver(layer)) for layer in range(n_layers)]
+        hooks = [*((hook_name("pattern", layer), saver(layer)) for layer in range(n_layers)), LAST_POSITION_LOGITS]
         with torch.no_grad(), bridge.hooks(fwd_hooks=hooks):
             bridge(tokens[start:start + batch_size].to(bridge.cfg.device), return_type=None)
         if len(store) != n_layers:  # pragma: no cover - guards a TL behaviour change
@@ -246,7 +248,8 @@ def run(
         norms = residual_norms(model.loaded.hf(), tokens, batch_size=batch_size)
         rows = _norm_rows(norms, model.label, seed=seed, n_resamples=n_bootstrap)
         norm_rows += rows
-        attn0 = attention_to_first(model.bridge(), tokens, batch_size=batch_size)
+        with bridge_of(model) as bridge:
+            attn0 = attention_to_first(bridge, tokens, batch_size=batch_size)
         means = head_mean_attention(attn0, exclude_first_query=exclude_first_query)
         shares = per_query_share(attn0, threshold=threshold, exclude_first_query=exclude_first_query)
         n_layers, n_heads = means.shape

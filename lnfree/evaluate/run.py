@@ -13,7 +13,7 @@ from lnfree.evaluate.benchmarks import BENCHMARKS, _require_lm_eval
 from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
 from lnfree.evaluate.models import EvalModel, load_models, resolve_device
 from lnfree.evaluate.scoring import SCORING_CONVENTION, UNITS, TokenScores, score
-from lnfree.results import auto_block
+from lnfree.results import auto_block, peak_memory_gb
 from lnfree.evaluate.summaries import (
     DEFAULT_THRESHOLD,
     ECE_BINS,
@@ -165,7 +165,8 @@ def evaluate(
     1,000; a local file: all of it); without a preset's context, the models' longest context up to
     `MAX_DEFAULT_CONTEXT` (`default_context`). The context must fit every model. `benchmarks` (e.g.
     ``["hellaswag"]``, needs lm-evaluation-harness) run on each model after scoring; `options` go to
-    `evaluate_models`. `batch_size` None: `auto_batch_size`.
+    `evaluate_models`. `batch_size` None: `auto_batch_size`. The settings record the process's peak
+    memory (`peak_memory_gb`, `lnfree.results.peak_memory_gb`).
     """
     spec = resolve_dataset(dataset, split=split, revision=revision, text_field=text_field)
     for name in benchmarks:
@@ -207,4 +208,5 @@ def evaluate(
         for m in models:
             report.model(m.label).benchmarks.update(
                 BENCHMARKS[name](m.module, m.tokenizer, batch_size=batch_size, limit=benchmark_limit))
+    report.settings["peak_memory_gb"] = peak_memory_gb()  # the process's, models and scoring included
     return report
