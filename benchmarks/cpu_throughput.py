@@ -9,6 +9,7 @@ these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen;
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
 - bf16 + chunked: and CE + KL by `lnfree.vocab_loss` (`--chunk` tokens per chunk);
+- bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
 - … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too).
 
 Each round runs every variant once, the order rotated from round to round. Per run: the median over
@@ -48,17 +49,22 @@ VARIANTS = {
     "fp32": {**FP32, "train.freeze_embeddings": True},
     "bf16": {**BF16, "train.freeze_embeddings": True},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
+    "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
     "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
 }
 BASELINE = "fp32"
 
 
-def step_times(log: Path, warmup: int, field: str) -> list[float]:
-    """Each step's share of the cumulative `field` (`seconds` or `cpu_seconds`) of a run's log, after the
-    first `warmup` steps."""
+def cumulative(log: Path, field: str) -> dict[int, float]:
+    """The cumulative `field` (`seconds` or `cpu_seconds`) of a run's log at each logged step."""
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    times = {r["step"]: r[field] for r in rows if field in r and "event" not in r}
+    return {r["step"]: r[field] for r in rows if field in r and "event" not in r}
+
+
+def step_times(log: Path, warmup: int, field: str) -> list[float]:
+    """Each step's share of the cumulative `field` of a run's log, after the first `warmup` steps."""
+    times = cumulative(log, field)
     steps = sorted(times)
     return [times[b] - times[a] for a, b in zip(steps, steps[1:]) if a >= warmup]
 
@@ -76,7 +82,11 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
     cpu, wall = step_times(log, warmup, "cpu_seconds"), step_times(log, warmup, "seconds")
     start = json.loads(log.read_text().splitlines()[0])
     tokens = config.train.tokens_per_step
+    # the first steps hold one-off costs (a compiled variant compiles there; its worker processes' CPU
+    # time is not the run's own, their wall time is)
+    first = {f"warmup_{field}": cumulative(log, field)[warmup] for field in ("seconds", "cpu_seconds")}
     return {"settings": overrides, "precision": start["precision"], "step_cpu_seconds": cpu, "step_seconds": wall,
+            **first,
             "median_step_cpu_seconds": statistics.median(cpu), "median_step_seconds": statistics.median(wall),
             "tokens_per_cpu_hour": tokens / statistics.median(cpu) * 3600,
             "tokens_per_hour": tokens / statistics.median(wall) * 3600}
@@ -100,12 +110,14 @@ def table(result: dict) -> list[str]:
              f"after {a['warmup']}), {a['rounds']} rounds, chunks of {a['chunk']} tokens, "
              f"OMP_NUM_THREADS={result['threads']}, native bf16: {result['native_bf16']}", "",
              "| variant | tokens / CPU-hour | tokens / hour | CPU s / step | s / step | "
-             "CPU throughput / fp32, per round | wall throughput / fp32, per round |", "|---|---|---|---|---|---|---|"]
+             "CPU throughput / fp32, per round | wall throughput / fp32, per round | first steps, s (CPU s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         cpu = ", ".join(f"{r:.3f}" for r in s["cpu_ratio_per_round"])
         wall = ", ".join(f"{r:.3f}" for r in s["wall_ratio_per_round"])
+        first = ", ".join(f"{r['warmup_seconds']:.0f} ({r['warmup_cpu_seconds']:.0f})" for r in result["runs"][name])
         lines.append(f"| {name} | {s['tokens_per_cpu_hour']:,.0f} | {s['tokens_per_hour']:,.0f} | "
-                     f"{s['median_step_cpu_seconds']:.2f} | {s['median_step_seconds']:.2f} | {cpu} | {wall} |")
+                     f"{s['median_step_cpu_seconds']:.2f} | {s['median_step_seconds']:.2f} | {cpu} | {wall} | {first} |")
     return lines
 
 
