@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from lnfree.cli import app
-from lnfree.evaluate.stress import frequency_ranks, repeated_probe_ids, run_stress, sweep_sequences
+from lnfree.evaluate.stress import culprit, frequency_ranks, repeated_probe_ids, run_stress, sweep_sequences
 
 runner = CliRunner()
 FAST = {"context": 32, "n_sequences": 24, "repeated": 64, "vocab": None}
@@ -94,3 +94,15 @@ def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwr
 def test_probe_counts_must_be_positive_or_all(value):
     result = runner.invoke(app, ["stress", "tiny", "--vocab", value])
     assert result.exit_code == 2 and "--vocab" in result.output
+
+
+def test_the_culprit_is_the_token_that_leaves_the_envelope_at_the_earliest_layer():
+    limits = torch.ones(5)
+    norms = torch.ones(5, 6)  # layers × positions
+    norms[2, 3] = 50.0  # position 3 runs away at layer 2 ...
+    norms[3, 3:] = 500.0  # ... reaches the tokens after it at layer 3 ...
+    norms[4, :] = float("inf")  # ... and at layer 4 a non-finite value reaches every position, 0 included
+    assert culprit(norms, limits) == 3
+    norms[2, 1] = 20.0  # two positions leave the envelope at the same layer: the first
+    assert culprit(norms, limits) == 1
+    assert culprit(torch.ones(5, 6), limits) is None

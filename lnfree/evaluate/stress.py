@@ -198,20 +198,33 @@ class StressRecord:
         return {**asdict(self), "overflow_total": self.overflow_total}
 
 
-def _worst_tokens(parts: dict[str, tuple[Pass, torch.Tensor, torch.Tensor]], typical: torch.Tensor, tokenizer,
-                  limit: int) -> list[dict]:
+def culprit(norms: torch.Tensor, limits: torch.Tensor) -> int | None:
+    """The position of one sequence (`norms`: layers × positions) whose residual norm leaves the envelope
+    (`OVERFLOW_RATIO` × `limits`) at the earliest layer, the first such position on a tie; None if none does.
+    The earliest layer, not the first position: a runaway reaches later tokens through attention, and a
+    non-finite value reaches earlier ones too (0 × inf in attention's weighted sum), position 0 included."""
+    over = norms / limits.clamp_min(1e-30)[:, None] > OVERFLOW_RATIO  # inf (non-finite) counts as over
+    layers = over.any(dim=1).nonzero()
+    return int(over[int(layers[0])].nonzero()[0]) if len(layers) else None
+
+
+def _worst_tokens(parts: dict[str, tuple[Pass, torch.Tensor, torch.Tensor]], typical: torch.Tensor,
+                  limits: torch.Tensor, tokenizer, limit: int) -> list[dict]:
     """The `limit` sequences whose worst token is the largest against a typical token of the test split
-    (norm / median norm, the largest over layers; a non-finite logit first), each with its culprit: the
-    first token that overflows (a runaway spreads to the tokens after it), else the largest. With the
-    token: its text, the tokens before it, and its norm / envelope (the overflow measure)."""
+    (norm / median norm, the largest over layers; a non-finite logit first), each with its culprit
+    (`culprit`: the token that leaves the envelope `limits` first), else the first token whose logits are
+    non-finite, else the largest. With the token: its text, the tokens before it, and its norm / envelope
+    (the overflow measure)."""
     rows = []
     for part, (run, ratio, layer) in parts.items():
         times, at = times_typical(run, typical)
         per_row = times.max(dim=1).values
         values, index = per_row.topk(min(limit, per_row.numel()))
         for value, seq in zip(values.tolist(), index.tolist()):
-            overflowing = (ratio[seq] > OVERFLOW_RATIO).nonzero()
-            pos = int(overflowing[0]) if len(overflowing) else int((times[seq] >= value).nonzero()[0])
+            pos = culprit(run.norms[:, seq], limits)
+            if pos is None:
+                overflowing = (ratio[seq] > OVERFLOW_RATIO).nonzero()
+                pos = int(overflowing[0]) if len(overflowing) else int((times[seq] >= value).nonzero()[0])
             token = int(run.ids[seq, pos])
             envelope_ratio = float(ratio[seq, pos])
             rows.append({"part": part, "sequence": seq, "position": pos, "token_id": token,
@@ -266,7 +279,7 @@ def stress_model(
         vocab_overflow_sequences=int(over["vocab"].any(dim=1).sum()),
         vocab_nonfinite_tokens=int((~swept.finite).sum()),
         max_times_typical=largest,
-        worst=_worst_tokens(ratios, typical, tokenizer, WORST),
+        worst=_worst_tokens(ratios, typical, limits, tokenizer, WORST),
     )
     return record, limits
 
