@@ -71,6 +71,10 @@ class TrainConfig(_Strict):
     )
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
+    skip_grad_norm: float | None = Field(
+        None, gt=0, description="skip the optimiser step (and log it) when the gradient norm before clipping exceeds "
+        "this: a spike from one runaway token then moves no weight; costs one host sync per step; None: never"
+    )
     aux_loss_weight: float = Field(0.1, ge=0)
     scale_loss_weight: float = Field(
         0.0, ge=0, description="auxiliary loss on every norm input: mean over norms of mean over tokens of "

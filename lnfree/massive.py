@@ -270,19 +270,30 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
 
 
 
-class Captured:
-    """Tensors kept by forward hooks during the latest forward pass: `clear()` before a forward,
-    `take()` after it, `remove()` takes the hooks off. Hooks keep tensors while `active`; a user that
-    owns only some forwards (a training loss, not the evaluations between steps) turns it off and
-    wraps its own forwards in `capturing()`."""
+KEPT = "_lnfree_kept"  # the attribute on which a capture hook leaves its module's tensor
 
-    def __init__(self):
-        self.values: list[torch.Tensor] = []
+
+class Captured:
+    """Tensors kept by forward hooks on `modules` (in forward order) during the latest forward pass:
+    `clear()` before a forward, `take()` after it, `remove()` takes the hooks off. Hooks keep tensors
+    while `active`; a user that owns only some forwards (a training loss, not the evaluations between
+    steps) turns it off and wraps its own forwards in `capturing()`.
+
+    Each hook leaves its tensor on its own module rather than appending to a shared list: a compiled
+    block's graph would otherwise be guarded on the list's length, one graph (and recompile) per block.
+    `sources` holds the module of each tensor of the latest `take()`, until the next `clear()`.
+    """
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.sources: list[nn.Module] = []
         self.handles: list = []
         self.active = True
 
     def clear(self) -> None:
-        self.values = []
+        for module in self.modules:
+            module.__dict__.pop(KEPT, None)
+        self.sources = []
 
     @contextlib.contextmanager
     def capturing(self):
@@ -296,34 +307,37 @@ class Captured:
 
     def take(self) -> list[torch.Tensor]:
         """The tensors seen since `clear()`, in forward order."""
-        values, self.values = self.values, []
-        return values
+        self.sources = [module for module in self.modules if KEPT in module.__dict__]
+        return [module.__dict__.pop(KEPT) for module in self.sources]
+
+    def held(self) -> int:
+        """How many tensors the hooks keep now (taken by the next `take()`)."""
+        return sum(KEPT in module.__dict__ for module in self.modules)
+
+    def keep_input(self, module: nn.Module, args: tuple) -> None:
+        """A forward pre-hook: leave the module's input on it while active."""
+        if self.active:
+            setattr(module, KEPT, args[0])
+
+    def keep_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """A forward hook: leave the module's output on it while active."""
+        if self.active:
+            setattr(module, KEPT, out)
 
     def remove(self) -> None:
+        """Take the hooks off (what they kept stays until `take()` or `clear()`)."""
         for handle in self.handles:
             handle.remove()
 
 
 class NormInputs(Captured):
-    """Keeps every norm's input of the latest forward pass (forward pre-hooks on the norm modules);
-    `sources` holds the norm module of each, until the next `clear()`."""
+    """Keeps every norm's input of the latest forward pass (forward pre-hooks on the norm modules)."""
 
     def __init__(self, model: nn.Module):
-        super().__init__()
         arch = architecture(model)
+        super().__init__([model.get_submodule(site.module) for site in arch.sites() if not site.per_head])
         self.model = model
-        self.sources: list[nn.Module] = []
-        self.handles = [model.get_submodule(site.module).register_forward_pre_hook(self._keep)
-                        for site in arch.sites() if not site.per_head]
-
-    def _keep(self, module: nn.Module, args: tuple) -> None:
-        if self.active:
-            self.values.append(args[0])
-            self.sources.append(module)
-
-    def clear(self) -> None:
-        super().clear()
-        self.sources = []
+        self.handles = [module.register_forward_pre_hook(self.keep_input) for module in self.modules]
 
 
 def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,

@@ -206,7 +206,8 @@ class Objective:
         return record
 
     def remove(self) -> None:
-        """Take the hooks off the model."""
+        """Take the hooks off the model and drop what they kept."""
         self.lnf_input.handle.remove()
         for hooks in self.captured:
             hooks.remove()
+            hooks.clear()

@@ -40,17 +40,12 @@ class MlpOutputs(Captured):
     model's depth) of the latest forward pass: forward hooks on the MLP output projections."""
 
     def __init__(self, model: nn.Module, from_blocks: list[int]):
-        super().__init__()
         arch = architecture(model)
         if max(from_blocks) >= arch.n_layers:
             raise ValueError(f"position0_mlp.from_block is {max(from_blocks)}, but the model has {arch.n_layers} blocks")
         self.first_block = from_block = min(from_blocks)
-        self.handles = [model.get_submodule(arch.block(i, arch.mlp_out)).register_forward_hook(self._keep)
-                        for i in range(from_block, arch.n_layers)]
-
-    def _keep(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        if self.active:
-            self.values.append(out)
+        super().__init__([model.get_submodule(arch.block(i, arch.mlp_out)) for i in range(from_block, arch.n_layers)])
+        self.handles = [module.register_forward_hook(self.keep_output) for module in self.modules]
 
 
 def position0_mlp_loss(outputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:

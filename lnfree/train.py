@@ -135,7 +135,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             group["lr"] = lr
         totals = _forward_backward(s, model, objective, step)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
-        optimizer.step()
+        if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         removal.after_step(bare, totals, accelerator)
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))
@@ -411,6 +412,17 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
         totals += terms / accumulation
     totals[TERMS.index("cov_share")] = cap_share(params, text, s.config.train.coverage.max_grad_share)
     return totals
+
+
+def _spike(grad_norm: torch.Tensor, limit: float | None, step: int, log: RunLog) -> bool:
+    """Whether this step's gradient norm exceeds `train.skip_grad_norm` (then logged as a skipped step)."""
+    if limit is None:
+        return False
+    norm = grad_norm.item()
+    if norm <= limit:  # a non-finite norm is skipped too; `stop_if_diverged` then stops the run
+        return False
+    log({"event": "skip", "step": step + 1, "grad_norm": norm})
+    return True
 
 
 def _log_losses(s: _Setup, objective: Objective, pending: list[torch.Tensor], done: int, lr: float,

@@ -75,3 +75,33 @@ def test_no_graph_breaks_in_a_block_with_installed_norms(family, state):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_captured_tensors_match_eager_and_every_block_shares_one_graph():
+    # The training losses' hooks (norm inputs, MLP outputs) run inside compiled blocks: captured by a
+    # growing list, each block's graph was guarded on its length (one recompile per block and step).
+    from lnfree.massive import NormInputs
+    from lnfree.position0_mlp import MlpOutputs
+
+    torch.manual_seed(0)
+    eager = surgery.install(tiny_family("llama")).train()
+    ids = torch.randint(0, 64, (2, 9))
+    surgery.initialise_sigmas(eager, [ids])
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(compiled, backend="aot_eager")
+    captures = {m: (NormInputs(m), MlpOutputs(m, [0])) for m in (eager, compiled)}
+    taken = {}
+    for step in range(3):
+        for model, hooks in captures.items():
+            for h in hooks:
+                h.clear()
+            model(input_ids=ids, use_cache=False)
+            taken[model] = [h.take() for h in hooks]
+        for kind_e, kind_c in zip(taken[eager], taken[compiled]):
+            assert len(kind_c) == len(kind_e) > 0
+            for c, e in zip(kind_c, kind_e):
+                torch.testing.assert_close(c, e, rtol=TOLERANCE, atol=TOLERANCE)
+        assert captures[compiled][0].sources == captures[compiled][0].modules
+    assert counters["stats"]["unique_graphs"] == 1

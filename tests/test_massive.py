@@ -411,12 +411,12 @@ def test_the_losss_hooks_keep_only_its_own_forwards_not_the_evaluations_between_
     objective = Objective(model, train, architecture(model), None, 0, contextlib.nullcontext)
     ids = first_token_ids(model.config.vocab_size)
     loss, _ = objective(model, ids, objective.tails_at(0))
-    assert torch.isfinite(loss) and objective.norm_inputs.values == [] and objective.mlp_outputs.values == []
+    assert torch.isfinite(loss) and objective.norm_inputs.held() == 0 and objective.mlp_outputs.held() == 0
     sources = len(objective.norm_inputs.sources)  # the norms of the loss's forward (read after `take`)
     with torch.no_grad():  # an evaluation between steps: the loss's hooks keep nothing of it
         model(input_ids=ids)
-    assert objective.norm_inputs.values == [] and len(objective.norm_inputs.sources) == sources > 0
-    assert objective.mlp_outputs.values == []
+    assert objective.norm_inputs.held() == 0 and len(objective.norm_inputs.sources) == sources > 0
+    assert objective.mlp_outputs.held() == 0
     loss.backward()  # and nothing of a backward either
-    assert objective.norm_inputs.values == []
+    assert objective.norm_inputs.held() == 0
     objective.remove()

@@ -225,6 +225,23 @@ def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
     assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
 
 
+def test_steps_whose_gradient_norm_exceeds_the_limit_move_no_weight_and_are_logged(run_config, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    config = with_overrides(run_config(max_steps=4, learning_rate=1e-3, eval_every=0),
+                            {"removal.mode": "vanilla", "train.skip_grad_norm": 1e-12})
+    result = run(config, progress=False)
+    before = GPT2LMHeadModel.from_pretrained(config.model)
+    torch.testing.assert_close(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight,
+                               rtol=0, atol=0)
+    log = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r.get("event") == "skip"] == [1, 2, 3, 4]
+    loose = run(with_overrides(config, {"train.skip_grad_norm": 1e12, "output_dir": str(tmp_path / "loose")}),
+                progress=False)
+    assert not torch.equal(loose.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
+    assert '"skip"' not in (loose.output_dir / "log.jsonl").read_text()
+
+
 def test_only_the_newest_checkpoints_are_kept_when_asked(run_config, tmp_path):
     config = with_overrides(run_config(max_steps=8, save_every=2, eval_every=0),
                             {"removal.mode": "vanilla", "train.keep_checkpoints": 2})
