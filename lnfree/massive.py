@@ -386,6 +386,23 @@ class ScaleTail(BaseModel):
     ratio: float = Field(3.0, gt=1, description="tokens above this many times the typical scale are pulled back")
     weight: float = Field(1.0, ge=0, description="its weight in the loss")
     start: int = Field(0, ge=0, description="the first step it is on")
+    measure: Literal["input", "output"] = Field(
+        "input", description="the scale of each norm's input, or of its input times the norm's weight (centred for "
+        "LayerNorm): what a fixed norm leaves its readers with, larger than the input's scale says where a token "
+        "lies along the norm's large-weight channels (`weighted_inputs`)"
+    )
+
+
+def weighted_inputs(inputs: list[torch.Tensor], sources: list[nn.Module], kind: str) -> list[torch.Tensor]:
+    """Each norm input times its norm's weight (centred first for LayerNorm): a fixed norm's output times
+    its σ, so that its RMS over tokens compares what the norm leaves its readers with."""
+    weighted = []
+    for x, module in zip(inputs, sources, strict=True):
+        x = x.float()
+        if kind == "layer":
+            x = x - x.mean(-1, keepdim=True)
+        weighted.append(x * module.weight.float())
+    return weighted
 
 
 def pieces(tail) -> list:

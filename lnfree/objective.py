@@ -39,6 +39,7 @@ from lnfree.massive import (
     scale_tail_loss,
     tail_at,
     typical_scale,
+    weighted_inputs,
 )
 from lnfree.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.vocab_loss import IGNORE, HeadInput, vocab_loss
@@ -119,7 +120,10 @@ class Objective:
                 self.typical = typical_log_scales(inputs, ids, eot, kind)
             if train.scale_loss_weight > 0:
                 spread = scale_loss(inputs, ids, eot, kind, train.scale_loss_form)
-            if tail is not None:
+            if tail is not None and tail.measure == "output":
+                weighted = weighted_inputs(inputs, self.norm_inputs.sources, kind)
+                excess = scale_tail_loss(weighted, ids, eot, "rms", tail.ratio)
+            elif tail is not None:
                 excess = scale_tail_loss(inputs, ids, eot, kind, tail.ratio)
             if tail0 is not None:
                 gains = ([position0_log_gain(m) for m in self.norm_inputs.sources] if tail0.measure == "output"

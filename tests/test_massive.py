@@ -237,6 +237,29 @@ def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_p
     assert spread(pulled.model) < 0.8 * spread(plain.model)  # measured 0.60×
 
 
+def test_measured_at_the_output_the_tail_sees_a_token_along_the_norms_large_weight_channels():
+    from lnfree.massive import weighted_inputs
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    x = torch.full((1, 5, 16), (16 / 15) ** 0.5)  # every token at RMS 1, channels 1-15 ...
+    x[0, :, 0] = 0.0
+    x[0, 2] = 0.0
+    x[0, 2, 0] = 4.0  # ... but this one: all of it in channel 0
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.ones(16))
+    with torch.no_grad():
+        norm.weight[0] = 30.0  # which the norm multiplies by 30
+    assert float(scale_tail_loss([x], ids, 0, "rms", ratio=3.0)) == 0
+    weighted = weighted_inputs([x], [norm], "rms")
+    loss = scale_tail_loss(weighted, ids, 0, "rms", ratio=3.0)
+    excess = math.log(30) * 3 / 4 - math.log(3)  # 30× against a geometric mean of 30^(1/4)
+    assert float(loss) == pytest.approx(excess**2, rel=1e-4)
+    loss.backward()
+    assert norm.weight.grad[0] > 0  # descent shrinks the large weight (and the token, not shown)
+    centred = weighted_inputs([x + 7.0], [norm], "layer")[0]  # LayerNorm: a shift changes nothing
+    torch.testing.assert_close(centred, weighted_inputs([x], [norm], "layer")[0])
+
+
 def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
     from lnfree.massive import ScaleTail
 
