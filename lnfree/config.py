@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lnfree.ceiling import ScaleCeiling
 from lnfree.coverage import Coverage
 from lnfree.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
+from lnfree.neuron_range import NeuronRange
 from lnfree.position0_mlp import Position0Mlp
 from lnfree.schedule import Adaptive, Schedule
 
@@ -47,7 +48,7 @@ class DataConfig(_Strict):
 
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
-STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp")
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range")
 
 
 class TrainConfig(_Strict):
@@ -93,6 +94,10 @@ class TrainConfig(_Strict):
     position0_mlp: Position0Mlp | list[Position0Mlp] | None = Field(
         None, description="pull what position 0's own MLPs write towards zero, so that its σ can fade at the "
         "MLP-input norms without its MLPs running away (lnfree.position0_mlp)"
+    )
+    neuron_range: NeuronRange | list[NeuronRange] | None = Field(
+        None, description="a hinge on every MLP neuron's activation above ratio × its largest in the original "
+        "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.neuron_range)"
     )
     coverage: Coverage | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
@@ -144,6 +149,9 @@ class TrainConfig(_Strict):
             raise ValueError("min_learning_rate must not exceed learning_rate")
         for name in STEP_LOSSES:
             check_pieces(getattr(self, name), name)
+        if self.neuron_range is not None and self.distill_alpha == 0:
+            raise ValueError("train.neuron_range measures each neuron's range on the distillation teacher: set "
+                             "train.distill_alpha > 0")
         return self
 
 

@@ -1,14 +1,15 @@
 """The loss a run trains on, one micro-batch at a time.
 
     loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
-           + w_mlp0(step)·mlp0
+           + w_mlp0(step)·mlp0 + w_range(step)·range
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
 scale and tail do the same at every norm input (`lnfree.massive`: the spread of all tokens, and
 the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
-(`train.position0_mlp`, `lnfree.position0_mlp`). With `train.coverage` (`lnfree.coverage`) each
+(`train.position0_mlp`, `lnfree.position0_mlp`); range pulls every MLP neuron back within a multiple of
+its range in the original (`train.neuron_range`, `lnfree.neuron_range`). With `train.coverage` (`lnfree.coverage`) each
 micro-step also runs generated rows of random and repeated ids on their own (`Objective.coverage`):
 cov_kl (KL to the teacher there) and cov_tail (the hinge against the text's typical scales). Every weight comes from `TrainConfig` (the
 step-dependent ones from the setting on at that step, `lnfree.massive.tail_at`); a term whose
@@ -41,13 +42,14 @@ from lnfree.massive import (
     typical_scale,
     weighted_inputs,
 )
+from lnfree.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.vocab_loss import IGNORE, HeadInput, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "cov_kl", "cov_tail", "cov_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "cov_kl", "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.config.STEP_LOSSES`).
-TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp"}
+TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range"}
 
 
 class LnfInput:
@@ -93,7 +95,10 @@ class Objective:
         self.norm_inputs = NormInputs(model) if wanted else None
         blocks = [p.from_block for p in pieces(train.position0_mlp)]
         self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
-        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs) if hooks is not None]
+        self.neuron_activations = NeuronActivations(model) if train.neuron_range is not None else None
+        self.neuron_ranges: list[torch.Tensor] | None = None  # set by the run from the teacher (`neuron_ranges`)
+        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations)
+                         if hooks is not None]
         for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
             hooks.active = False
 
@@ -105,7 +110,7 @@ class Objective:
         """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
-        tail, tail0, mlp0 = tails
+        tail, tail0, mlp0, bounds = tails
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
@@ -135,11 +140,16 @@ class Objective:
             if mlp0 is not None:
                 first = self.mlp_outputs.first_block
                 silence = position0_mlp_loss(outputs[mlp0.from_block - first:], ids, eot)
+        beyond = torch.zeros_like(ce)
+        if self.neuron_activations is not None:
+            activations = self.neuron_activations.take()
+            if bounds is not None:
+                beyond = neuron_range_loss(activations, self.neuron_ranges, bounds.ratio)
         weights = [0.0 if t is None else t.weight for t in tails]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
-                + weights[0] * excess + weights[1] * excess0 + weights[2] * silence)
+                + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, zero, zero, zero)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ from lnfree.layout import (  # noqa: F401 (names other modules read from here)
 )
 from lnfree.massive import Damping, find_massive_neurons
 from lnfree.models import load_base
+from lnfree.neuron_range import neuron_ranges
 from lnfree.objective import TERMS, Objective
 from lnfree.plan import describe_run
 from lnfree.preparation import (  # noqa: F401 (re-exported)
@@ -123,6 +124,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         _log_resume(s, start_step, checkpoint)
     removal = _Removal(config, timeline, damping, s.momentum, world=accelerator.num_processes)
     objective = Objective(bare, train, s.arch, s.teacher, s.data.eot_token_id, s.autocast)
+    if train.neuron_range is not None:  # the teacher's: the same on every resume
+        objective.neuron_ranges = neuron_ranges(s.teacher, _probe(config, s.batches, accelerator.device), s.autocast)
     pending: list[torch.Tensor] = []  # per-step (TERMS, grad_norm), read once per log interval: no host sync
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
@@ -284,15 +287,20 @@ def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Pat
         return None
     if resume:
         return Damping.load(massive, out)
-    device = next(model.parameters()).device
-    probe = (batches.get(i // batches.accumulation, i % batches.accumulation, 0).to(device)
-             for i in range(config.train.sigma_init_batches))
+    probe = _probe(config, batches, next(model.parameters()).device)
     damping = Damping(massive, find_massive_neurons(model, probe, massive.ratio, massive.min_output))
     if main:
         damping.save(out)
     logger.info("massive-activation neurons to damp: %s",
                 ", ".join(f"{n.layer}.{n.index}" for n in damping.neurons) or "none found")
     return damping
+
+
+def _probe(config: RunConfig, batches: StepBatches, device: torch.device):
+    """Process 0's first `sigma_init_batches` micro-batches of step 0 on `device` (the same on every
+    process and every resume): what per-neuron statistics of a run are measured on."""
+    return (batches.get(i // batches.accumulation, i % batches.accumulation, 0).to(device)
+            for i in range(config.train.sigma_init_batches))
 
 
 def _log_resume(s: _Setup, step: int, checkpoint: Path) -> None:

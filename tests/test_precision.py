@@ -14,7 +14,7 @@ from lnfree import precision, surgery
 from lnfree.arch import architecture
 from lnfree.config import RunConfig, TrainConfig
 from lnfree.distill import teacher_dtype
-from lnfree.objective import TERMS, Objective
+from lnfree.objective import TAILS, TERMS, Objective
 from lnfree.preparation import autocast_factory
 from lnfree.tiny import TINY_MODEL_DIR
 
@@ -82,7 +82,7 @@ def terms_of(autocast, chunk=None, teacher_dtype=torch.float32) -> torch.Tensor:
     train = TrainConfig(distill_alpha=0.5, scale_loss_weight=0.1, chunked_vocab_loss=chunk)
     objective = Objective(student.train(), train, architecture(student), teacher, 0, autocast)
     with SoftmaxInputs() as seen:
-        loss, terms = objective(student, ids, (None, None, None))
+        loss, terms = objective(student, ids, (None,) * len(TAILS))
     assert seen.dtypes == {torch.float32}, "CE and KL take fp32 log-probabilities"
     loss.backward()
     return terms

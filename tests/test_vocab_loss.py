@@ -18,7 +18,7 @@ from lnfree import surgery
 from lnfree.arch import architecture
 from lnfree.config import TrainConfig, with_overrides
 from lnfree.distill import kl_to_teacher
-from lnfree.objective import TERMS, Objective
+from lnfree.objective import TAILS, TERMS, Objective
 from lnfree.train import run
 from lnfree.vocab_loss import IGNORE, HeadInput, vocab_loss
 
@@ -118,7 +118,7 @@ def objective_pair(freeze: bool, alpha: float = 0.5, temperature: float = 1.0, a
 def step(student, objective, text, rows):
     """The terms of one micro-step (text and coverage rows) and every parameter's gradient."""
     student.zero_grad(set_to_none=True)
-    loss, terms = objective(student, text, (None, None, None))
+    loss, terms = objective(student, text, (None,) * len(TAILS))
     loss.backward()
     cov_loss, cov_terms = objective.coverage(student, rows)
     cov_loss.backward()
