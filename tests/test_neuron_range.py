@@ -43,7 +43,8 @@ def test_ranges_are_the_largest_activation_after_position_0_over_the_batches():
     hooks.remove()
     for layer, limit in enumerate(ranges):
         expected = torch.stack([s[layer][:, 1:].abs().flatten(0, 1).amax(0) for s in seen]).amax(0)
-        torch.testing.assert_close(limit, expected)
+        torch.testing.assert_close(limit, expected.clamp_min(expected.median()))
+        assert (limit > expected).any()  # the quieter half of the neurons are raised to the median
     assert hooks.held() == 0
 
 
