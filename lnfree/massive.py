@@ -20,6 +20,7 @@ The result is a plain model with a few dead neurons; nothing else changes, so ex
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -270,7 +271,7 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
 
 
 
-KEPT = "_lnfree_kept"  # the attribute on which a capture hook leaves its module's tensor
+_CAPTURES = itertools.count()  # numbers each `Captured` its own attribute: two may hook one module
 
 
 class Captured:
@@ -286,13 +287,14 @@ class Captured:
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
+        self.attribute = f"_lnfree_kept_{next(_CAPTURES)}"  # where its hooks leave their tensors
         self.sources: list[nn.Module] = []
         self.handles: list = []
         self.active = True
 
     def clear(self) -> None:
         for module in self.modules:
-            module.__dict__.pop(KEPT, None)
+            module.__dict__.pop(self.attribute, None)
         self.sources = []
 
     @contextlib.contextmanager
@@ -307,22 +309,22 @@ class Captured:
 
     def take(self) -> list[torch.Tensor]:
         """The tensors seen since `clear()`, in forward order."""
-        self.sources = [module for module in self.modules if KEPT in module.__dict__]
-        return [module.__dict__.pop(KEPT) for module in self.sources]
+        self.sources = [module for module in self.modules if self.attribute in module.__dict__]
+        return [module.__dict__.pop(self.attribute) for module in self.sources]
 
     def held(self) -> int:
         """How many tensors the hooks keep now (taken by the next `take()`)."""
-        return sum(KEPT in module.__dict__ for module in self.modules)
+        return sum(self.attribute in module.__dict__ for module in self.modules)
 
     def keep_input(self, module: nn.Module, args: tuple) -> None:
         """A forward pre-hook: leave the module's input on it while active."""
         if self.active:
-            setattr(module, KEPT, args[0])
+            setattr(module, self.attribute, args[0])
 
     def keep_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         """A forward hook: leave the module's output on it while active."""
         if self.active:
-            setattr(module, KEPT, out)
+            setattr(module, self.attribute, out)
 
     def remove(self) -> None:
         """Take the hooks off (what they kept stays until `take()` or `clear()`)."""

@@ -74,3 +74,15 @@ def test_a_run_holds_its_neurons_closer_to_the_original_and_logs_the_term(run_co
 def test_it_needs_a_teacher(run_config):
     with pytest.raises(ConfigError, match="distill_alpha"):
         with_overrides(run_config(max_steps=4), {"train.neuron_range": {"ratio": 2.0}, "train.distill_alpha": 0.0})
+
+
+def test_it_and_the_position0_mlp_loss_hook_the_same_modules_without_taking_each_others_tensors():
+    from lnfree.position0_mlp import MlpOutputs
+
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    inputs, outputs = NeuronActivations(model), MlpOutputs(model, [0])  # both on every block's output projection
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 8)))
+    kept_in, kept_out = inputs.take(), outputs.take()
+    assert len(kept_in) == len(kept_out) == model.config.n_layer
+    assert kept_in[0].shape[-1] == 4 * kept_out[0].shape[-1]  # the neurons, and what they write
