@@ -18,7 +18,8 @@ from lnfree.forms.export import load_checkpoint
 from lnfree.forms.load import load
 from lnfree.models.base import ModelError
 from lnfree.removal.losses import objective as objective_module
-from lnfree.removal.train import RunError, TrainingDiverged, latest_checkpoint, micro_batches, run
+from lnfree.removal.layout import latest_checkpoint
+from lnfree.removal.train import RunError, TrainingDiverged, micro_batches, run
 
 
 def records(path, after_resume=False):

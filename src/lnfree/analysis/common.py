@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lnfree.errors import LnfreeError
 from lnfree.evaluate import EvalError, load_sequences, resolve_dataset, resolve_device
 from lnfree.forms.load import LoadedModel, load
 from lnfree.evaluate.results import model_labels
@@ -33,7 +34,7 @@ def logit_rows(n_pos: int, vocab: int, largest: int) -> int:
     return max(1, min(int(largest), LOGITS_BUDGET // max(1, int(n_pos) * int(vocab))))
 
 
-class NotApplicable(ValueError):
+class NotApplicable(LnfreeError, ValueError):
     """An analysis cannot run on a model (e.g. its tokenizer cannot express the task): `analyze all` skips it."""
 
 

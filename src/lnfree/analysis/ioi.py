@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lnfree.errors import UsageError
 from lnfree.analysis.common import NotApplicable
 
 __all__ = [
@@ -171,12 +172,12 @@ def _template_fields(template: str) -> list[str]:
     fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     unknown = sorted(set(fields) - set(_SLOTS))
     if unknown:
-        raise ValueError(f"template {template!r} has unknown fields {unknown}; known: {list(_SLOTS)}")
+        raise UsageError(f"template {template!r} has unknown fields {unknown}; known: {list(_SLOTS)}")
     for needed in ("N1", "N2", "S2"):
         if fields.count(needed) != 1:
-            raise ValueError(f"template {template!r} must contain {{{needed}}} exactly once")
+            raise UsageError(f"template {template!r} must contain {{{needed}}} exactly once")
     if template != template.rstrip():
-        raise ValueError(f"template {template!r} must not end with a space (the answer's space is its token's)")
+        raise UsageError(f"template {template!r} must not end with a space (the answer's space is its token's)")
     return fields
 
 
@@ -236,10 +237,10 @@ def make_ioi_prompts(
     filter, no template keeps its slot words single tokens, or too many draws do not fit.
     """
     if n_prompts < 1:
-        raise ValueError("n_prompts must be >= 1")
+        raise UsageError("n_prompts must be >= 1")
     templates = tuple(templates)
     if not templates:
-        raise ValueError("at least one template is needed")
+        raise UsageError("at least one template is needed")
     for template in templates:
         _template_fields(template)
     words = _single_token_lists(tokenizer, names, places, objects)
@@ -294,7 +295,7 @@ def _bos_ids(tokenizer, prepend_bos: bool) -> list[int]:
         return []
     bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if bos_id is None:
-        raise ValueError("prepend_bos=True but the tokenizer has neither a BOS nor an EOS token")
+        raise UsageError("prepend_bos=True but the tokenizer has neither a BOS nor an EOS token")
     return [int(bos_id)]
 
 

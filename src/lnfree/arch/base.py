@@ -15,12 +15,16 @@ before it joins the residual stream) and `ln_f` (the final norm).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from lnfree.fixedscale.functional import NormKind
+from lnfree.errors import LnfreeError
+
+#: The two norms a family can use: LayerNorm (centres, then divides by the std) or RMSNorm.
+NormKind = Literal["layer", "rms"]
+
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ class Architecture:
         return [self.block(i, m) for i in range(self.n_layers) for m in (self.attention, self.mlp)]
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(LnfreeError, ValueError):
     """A model whose architecture lnfree does not support."""
 
 

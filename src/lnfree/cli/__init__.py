@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from lnfree.errors import LnfreeError
 from lnfree.cli.analysis import analyze
 from lnfree.cli.stress import stress
 from lnfree.cli.common import MODEL_NAMES_HELP, base_config, fail, user_errors
@@ -222,7 +223,7 @@ def schedule(
     if n_layer is None:
         try:  # the presets' GPT-2 sizes are known offline (as for `lnfree plan`)
             arch = architecture(config_of(cfg.model))
-        except (ValueError, OSError) as err:
+        except (LnfreeError, ValueError, OSError) as err:  # transformers' AutoConfig: ValueError for an unknown type
             fail(f"{err} (pass --n-layer)")
         n_layer, stages = arch.n_layers, arch.stages
     with user_errors():
@@ -362,7 +363,7 @@ def push(
     try:
         where = run_push(export_dir, repo_id, private=private, revision=revision, dry_run=dry_run,
                          dry_run_dir=dry_run_dir, force=force, eval_reports=eval_report or [])
-    except (ValueError, OSError) as err:
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")
 
@@ -420,7 +421,7 @@ def eval_(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")] = True,
 ) -> None:
     """Per-token cross-entropy of one or more models on identical tokens, compared (docs/how-to/evaluate.md)."""
-    from lnfree.evaluate import EvalError, evaluate, markdown, write_report
+    from lnfree.evaluate import evaluate, markdown, write_report
     from lnfree.evaluate.output import check_output_folder
     from lnfree.evaluate.results import model_labels
     from lnfree.removal.train import quiet_libraries
@@ -436,7 +437,7 @@ def eval_(
                 benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
                 pairwise=pairwise, seed=seed, n_resamples=bootstrap, bootstrap_block=bootstrap_block,
             )
-    except (EvalError, ValueError, OSError) as err:
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     write_report(report, out, save_tokens=save_tokens, overwrite=overwrite)
     typer.echo(markdown(report))

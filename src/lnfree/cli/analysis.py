@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from lnfree.errors import LnfreeError, UsageError
 from lnfree.analysis.report import headline_tables, write_index_pages
 from lnfree.cli.common import MODEL_NAMES_HELP, fail
 from lnfree.removal.derived import clear_stale
@@ -50,9 +51,9 @@ def run_analyses(
 
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
-        raise ValueError(f"unknown analysis {unknown[0]!r}; choose from {', '.join(ANALYSES)} or 'all'")
+        raise UsageError(f"unknown analysis {unknown[0]!r}; choose from {', '.join(ANALYSES)} or 'all'")
     if not sources:
-        raise ValueError("give at least one model: --models A [B ...]")
+        raise UsageError("give at least one model: --models A [B ...]")
     settings = {"data": data, "n_sequences": n_sequences, "length": length, "n_prompts": n_prompts, "seed": seed,
                 "n_bootstrap": n_bootstrap}
     keep = check_folder(out, names, dict(zip(model_labels(sources, labels), map(str, sources))), settings,
@@ -61,10 +62,10 @@ def run_analyses(
         models = load_models(sources, labels, device=device)
         vocab = {m.label: m.loaded.model.config.vocab_size for m in models}
         if len(set(vocab.values())) > 1:
-            raise ValueError(f"the models have different vocabularies {vocab}; analyses compare them on the same "
+            raise UsageError(f"the models have different vocabularies {vocab}; analyses compare them on the same "
                              "tokens")
         if len({tokenizer_fingerprint(m.tokenizer) for m in models}) > 1:
-            raise ValueError("the models' tokenizers differ; analyses compare models on the same tokens")
+            raise UsageError("the models' tokenizers differ; analyses compare models on the same tokens")
         tokens = None
         if NEEDS_TOKENS & set(names):
             tokens = evaluation_tokens(models[0].tokenizer, source=data, n_sequences=n_sequences, length=length,
@@ -148,7 +149,7 @@ def analyze(
         index = run_analyses(names, sources, out, labels=label_list, data=data, n_sequences=n_sequences,
                              length=length, n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap,
                              batch_size=batch_size, device=device, progress=progress, overwrite=overwrite)  # fmt: skip
-    except (ValueError, OSError) as err:
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     from lnfree.evaluate.results import peak_memory_gb
 

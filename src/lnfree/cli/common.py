@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from lnfree.errors import LnfreeError
 from lnfree.models.sources import known_names
 
 #: Every model name lnfree knows, for the help of options that take a model.
@@ -32,10 +33,10 @@ def fail(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors():
-    """Errors a user can cause (paths, configs, runs) as one `error:` line; anything else is a bug."""
+    """Errors a user can cause (`LnfreeError`; `OSError`: missing or unreadable files) as one `error:` line; anything else is a bug."""
     try:
         yield
-    except (ValueError, OSError) as err:
+    except (LnfreeError, OSError) as err:
         fail(str(err))
 
 

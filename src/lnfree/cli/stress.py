@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from lnfree.errors import LnfreeError
 
 #: The files `lnfree stress` writes into its output folder.
 STRESS_FILES = ("stress.json", "stress.md")
@@ -58,7 +59,7 @@ def stress(
                                 repeated=_count(repeated, "--repeated"), vocab=_count(vocab, "--vocab"),
                                 batch_size=batch_size, device=device, dtype=dtype, form=form, seed=seed,
                                 progress=progress)
-    except (ValueError, OSError) as err:
+    except (LnfreeError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     out.mkdir(parents=True, exist_ok=True)

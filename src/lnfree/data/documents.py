@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lnfree.errors import LnfreeError
 from lnfree.arch import architecture
-from lnfree.removal.config import DataConfig
+from lnfree.data.config import DataConfig
 from lnfree.data.realtext import CorpusError, train_and_heldout
 from lnfree.data.tiny import FINETUNE_SEED, HELDOUT_SEED, generate_documents
 
@@ -43,7 +44,7 @@ FREQUENT_EOT = 100
 log = logging.getLogger("lnfree")
 
 
-class DataError(ValueError):
+class DataError(LnfreeError, ValueError):
     """A data source that cannot be read or does not fit the model."""
 
 

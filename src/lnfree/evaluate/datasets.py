@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from lnfree.errors import LnfreeError
 from lnfree.removal.config import DataConfig, load_preset
 from lnfree.data.documents import (
     DataError,
@@ -21,7 +22,7 @@ from lnfree.data.documents import (
 )
 
 
-class EvalError(ValueError):
+class EvalError(LnfreeError, ValueError):
     """Input that cannot be evaluated as asked (dataset, models, options)."""
 
 

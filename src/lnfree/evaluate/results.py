@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from lnfree.errors import UsageError
 
 
 def default_label(source: str) -> str:
@@ -24,12 +25,12 @@ def default_label(source: str) -> str:
 def model_labels(sources: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
     """One unique label per source; by default the sources' folder names."""
     if labels is not None and len(labels) != len(sources):
-        raise ValueError(f"{len(labels)} labels for {len(sources)} models")
+        raise UsageError(f"{len(labels)} labels for {len(sources)} models")
     if not labels:
         return _unique_defaults(sources)
     labels = list(labels)
     if len(set(labels)) != len(labels):
-        raise ValueError(f"model labels must be unique, got {labels}; pass labels explicitly")
+        raise UsageError(f"model labels must be unique, got {labels}; pass labels explicitly")
     return labels
 
 

@@ -5,12 +5,10 @@ a frozen σ) that `ScaleState` and the norm modules compute.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-NormKind = Literal["layer", "rms"]
+from lnfree.arch.base import NormKind  # the family says which kind (`Architecture.norm_kind`)
 
 
 def second_moment(x: torch.Tensor, kind: NormKind) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,16 @@ from lnfree.arch import architecture
 from lnfree.arch.base import column_selector, norm_eps
 from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
 from lnfree.fixedscale.state import ScaleState, TokenContext
-from lnfree.removal.schedule import Event
+
+class Event(Protocol):
+    """What `apply_event` reads of a schedule event (`lnfree.removal.schedule.Event`)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def slot(self) -> str: ...
+
 
 SPECIALS = {"pos0_special": "pos0", "eot_special": "eot"}
 SAVE_REFUSAL = (

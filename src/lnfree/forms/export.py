@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lnfree import __version__
 
+from lnfree.errors import LnfreeError
 from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out, set_norm_eps, v_mask
@@ -44,13 +45,12 @@ from lnfree.removal.losses.massive import NEURONS_FILE
 from lnfree.removal.losses.probe import RELATIVE_TOLERANCE, compare_logits, describe_token, export_fingerprint, probe_rows
 
 EPS_TRICK_EPS = 1e12
-EPS_TRICK_SCALE = 1e6  # √EPS_TRICK_EPS
 EPS_SAFETY = 2.0  # the largest measured m times this must stay below E·2⁻²⁴
 RECORD = "lnfree_removal.json"
 logger = logging.getLogger("lnfree")
 
 
-class ExportError(ValueError):
+class ExportError(LnfreeError, ValueError):
     """A model or run that cannot be exported as asked."""
 
 

@@ -18,12 +18,13 @@ import copy
 import torch
 from torch import nn
 
+from lnfree.errors import LnfreeError
 from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out, v_mask
 
 
-class FoldError(ValueError):
+class FoldError(LnfreeError, ValueError):
     """A model that cannot be folded."""
 
 

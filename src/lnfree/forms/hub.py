@@ -16,6 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
+from lnfree.errors import LnfreeError
 from lnfree.forms.export import EPS_TRICK_EPS, RECORD
 from lnfree.models.base import HUB_IDS
 from lnfree.models.sources import hub_offline, looks_local
@@ -79,7 +80,7 @@ Run configuration: see `lnfree_removal.json` in this repository.
 BUNDLED = ("tiny", "realtext")
 
 
-class PushError(ValueError):
+class PushError(LnfreeError, ValueError):
     """An export that cannot be pushed as asked."""
 
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lnfree.errors import LnfreeError
 from lnfree.forms import bridge
 
 from lnfree.fixedscale import surgery
@@ -38,7 +39,7 @@ from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 from lnfree.models.base import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, load_config, resolve_model_source
 
 
-class LoadError(ValueError):
+class LoadError(LnfreeError, ValueError):
     """A source that cannot be loaded as asked."""
 
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from lnfree.arch import architecture
 from lnfree.forms.export import RECORD, describe_rows, norm_input_peaks, runaway_rows, runaway_summary
-from lnfree.removal.layout import file_sha256
+from lnfree.files import file_sha256
 from lnfree.forms.load import LoadedModel, load
 from lnfree.models.base import resolve_model_source
 from lnfree.removal.losses.probe import (

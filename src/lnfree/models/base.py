@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from lnfree.errors import LnfreeError
 from lnfree.arch import UnsupportedModel, architecture
 from lnfree.data.realtext import REALTEXT_MODEL_DIR
 from lnfree.models.sources import MODEL_NAMES, SourceError, check_model_source  # noqa: F401 (MODEL_NAMES: read from here too)
@@ -25,7 +26,7 @@ EPS_TRICK_WEIGHT = 1e3
 HUB_IDS = {name: m.hub_id for name, m in WHEEL_MODELS.items() if m.hub_id}
 
 
-class ModelError(ValueError):
+class ModelError(LnfreeError, ValueError):
     """A model that lnfree cannot use as asked."""
 
 

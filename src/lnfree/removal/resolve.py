@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 
+from lnfree.errors import LnfreeError
 from lnfree.removal.config import RunConfig, TrainConfig
 from lnfree.removal.schedule import PER_LAYER_KINDS, Event, ScheduleError, derive_schedule
 from lnfree.removal.timeline import blend_length
 
 
-class RunError(ValueError):
+class RunError(LnfreeError, ValueError):
     """A run that cannot start as configured."""
 
 

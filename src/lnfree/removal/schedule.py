@@ -23,6 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lnfree.errors import LnfreeError
+
 PER_LAYER_KINDS = ("ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp")
 Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post_mlp", "ln_f", "eot_special",
                "pos0_special", "pos0_real"]
@@ -31,7 +33,7 @@ Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post
 SPECIAL_KINDS = ("eot_special", "pos0_special", "pos0_real")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(LnfreeError, ValueError):
     """A schedule that cannot be run as asked."""
 
 

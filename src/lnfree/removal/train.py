@@ -43,10 +43,8 @@ from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
 from lnfree.removal.losses.coverage import cap_share, coverage_ids, gradients
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
-from lnfree.removal.launch import close_distributed, make_accelerator, quiet_libraries  # noqa: F401 (re-exported)
-from lnfree.removal.layout import (  # noqa: F401 (names other modules read from here)
-    CHECKPOINTS, LOG, PARTIAL, RUN_CONFIG, RUN_OUTPUTS, START, TOKENIZER, TRAINER_STATE, checkpoints, latest_checkpoint,
-)
+from lnfree.removal.launch import make_accelerator, quiet_libraries
+from lnfree.removal.layout import LOG, START, TOKENIZER
 from lnfree.removal.losses.massive import Damping, find_massive_neurons
 from lnfree.models.base import load_base
 from lnfree.removal.losses.objective import TERMS, Objective
@@ -60,7 +58,7 @@ from lnfree.removal.records import (  # noqa: F401 (re-exported)
 from lnfree.removal.resolve import (  # noqa: F401 (re-exported)
     RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
 )
-from lnfree.removal.runfolder import BOOKKEEPING_FIELDS, prepare_output_dir  # noqa: F401 (re-exported)
+from lnfree.removal.runfolder import prepare_output_dir
 from lnfree.removal.runtime import steady_allocator
 from lnfree.removal.schedule import Event
 from lnfree.removal.timeline import Timeline

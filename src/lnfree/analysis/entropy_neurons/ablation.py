@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lnfree.errors import UsageError
 from lnfree.analysis.common import logit_rows
 from lnfree.analysis.entropy_neurons.candidates import Neuron, neuron_label
 from lnfree.forms.bridge import LAST_POSITION_LOGITS, hook_name
@@ -149,7 +150,7 @@ def ablation_effects(
     for s in sets:
         for layer, neuron in s:
             if not (0 <= layer < bridge.cfg.n_layers and 0 <= neuron < d_mlp):
-                raise ValueError(f"no neuron {neuron_label((layer, neuron))} in a {bridge.cfg.n_layers}×{d_mlp} MLP")
+                raise UsageError(f"no neuron {neuron_label((layer, neuron))} in a {bridge.cfg.n_layers}×{d_mlp} MLP")
     layers = sorted({layer for s in sets for layer, _ in s})
     if means is None:
         means = mean_activations(bridge, tokens, layers, batch_tokens=batch_tokens)

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lnfree.errors import UsageError
 from lnfree.forms.bridge import norm_centres, norm_weight
 
 Neuron = tuple[int, int]  # (layer, neuron index)
@@ -57,7 +58,7 @@ def parse_neurons(neurons: Sequence[int | str | Sequence[int]], layer: int) -> l
             left, right = spec
             out.append((int(left), int(right)))
     if len(set(out)) != len(out):
-        raise ValueError(f"duplicate neurons in {neurons}")
+        raise UsageError(f"duplicate neurons in {neurons}")
     return out
 
 
@@ -225,11 +226,11 @@ def null_space_fraction(
     w = centred(_as_rows(w_out)) if centre else _as_rows(w_out)
     if basis is None:
         if W_U is None:
-            raise ValueError("give W_U or a precomputed basis")
+            raise UsageError("give W_U or a precomputed basis")
         basis, _ = null_space_basis(W_U, centre=centre)
     k = default_null_k(w.shape[1]) if k is None else int(k)
     if not 1 <= k <= basis.shape[1]:
-        raise ValueError(f"k must be in [1, {basis.shape[1]}], got {k}")
+        raise UsageError(f"k must be in [1, {basis.shape[1]}], got {k}")
     projected = w @ basis[:, :k]
     return (projected**2).sum(dim=1) / (w**2).sum(dim=1).clamp_min(_EPS)
 
@@ -246,7 +247,7 @@ def rank_candidates(
     n_layers = bridge.cfg.n_layers
     layer = n_layers - 1 if layer is None else int(layer)
     if not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} out of range for {n_layers} layers")
+        raise UsageError(f"layer {layer} out of range for {n_layers} layers")
     W_U = unembedding_columns(bridge)
     w_out = output_weights(bridge, layer)
     null_k = default_null_k(W_U.shape[0]) if null_k is None else int(null_k)

@@ -85,6 +85,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lnfree.errors import UsageError
 from lnfree.analysis.common import AnalysisModel, bridge_of, write_figure
 from lnfree.analysis.entropy_neurons.ablation import (
     AblationEffects,
@@ -172,7 +173,7 @@ def select_neurons(
     if known is not None and (layer is None or all(l == layer for l, _ in known)):
         return known, "known GPT-2 entropy neurons"
     if ranking is None:
-        raise ValueError("no known entropy neurons for this shape: give a candidate ranking or neurons")
+        raise UsageError("no known entropy neurons for this shape: give a candidate ranking or neurons")
     top = ranking.head(top_k)
     return [(int(l), int(n)) for l, n in zip(top["layer"], top["neuron"])], f"top-{top_k} candidates"
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lnfree.errors import UsageError
 from lnfree.analysis.common import logit_rows
 from lnfree.analysis.ioi import IOIPrompts
 from lnfree.forms.bridge import LAST_POSITION_LOGITS, hook_name
@@ -72,7 +73,7 @@ def logit_diff(bridge: Any, ids: torch.Tensor, io_ids: torch.Tensor, s_ids: torc
 
 def _hook_for(kind: str, layer: int) -> str:
     if kind not in KINDS:
-        raise ValueError(f"unknown patching kind {kind!r}; known: {KINDS}")
+        raise UsageError(f"unknown patching kind {kind!r}; known: {KINDS}")
     return hook_name(kind, layer)
 
 
@@ -306,7 +307,7 @@ def patch_ioi(
     vocab = bridge.cfg.d_vocab
     batch_size = logit_rows(1, vocab, batch_size)
     if int(prompts.clean_ids.max()) >= vocab or int(prompts.corrupted_ids.max()) >= vocab:
-        raise ValueError("the prompts contain token ids outside the model's vocabulary (wrong tokenizer?)")
+        raise UsageError("the prompts contain token ids outside the model's vocabulary (wrong tokenizer?)")
     t0 = time.perf_counter()
     clean_ld = logit_diff(bridge, prompts.clean_ids, prompts.io_ids, prompts.s_ids, batch_size=batch_size)
     clean = {k: cache_activations(bridge, prompts.clean_ids, k, batch_size=batch_size) for k in kinds}

@@ -22,7 +22,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from lnfree.removal.layout import file_sha256
+from lnfree.errors import LnfreeError, UsageError
+from lnfree.files import file_sha256
 
 __all__ = [
     "SDIST_NAME", "SDIST_SHA256", "CorpusError", "fetch_command", "sdist_path", "load_documents",
@@ -43,7 +44,7 @@ _DOCS_PREFIX = f"django-{DJANGO_VERSION}/docs/"
 _SKIPPED = ("_theme/", "requirements.txt")  # HTML-theme licence text and a pip requirements list
 
 
-class CorpusError(RuntimeError):
+class CorpusError(LnfreeError, RuntimeError):
     """The corpus cannot be fetched or does not match the expected download."""
 
 
@@ -117,7 +118,7 @@ def train_and_heldout(cache_dir: Path | None = None, part: str = "validation") -
     """The texts of the train documents and of one held-out `part` ("validation" or "test"), each
     list in sorted-path order."""
     if part not in HELD_OUT_PARTS:
-        raise ValueError(f"unknown held-out part {part!r}; use one of {', '.join(HELD_OUT_PARTS)}")
+        raise UsageError(f"unknown held-out part {part!r}; use one of {', '.join(HELD_OUT_PARTS)}")
     docs = load_documents(cache_dir)
     train, heldout = split_documents(list(docs))
     halves = dict(zip(HELD_OUT_PARTS, split_heldout({n: len(docs[n]) for n in heldout})))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lnfree.arch import architecture
-from lnfree.removal.layout import file_sha256
+from lnfree.files import file_sha256
 
 #: At most this many special token ids get rows of their own (tokenizers with thousands of added
 #: tokens would otherwise make the probe larger than the model's forward budget).
