@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from lnfree.analysis import patching
+    from lnfree.analysis.patching import run as patching
     from lnfree.analysis.ioi import make_ioi_prompts
     from lnfree.forms.load import load
     from lnfree.data.tiny import TINY_MODEL_DIR

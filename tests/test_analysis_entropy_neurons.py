@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import small_gpt2
-from lnfree.analysis import entropy_neurons as en
+from lnfree.analysis.entropy_neurons import run as en
 from lnfree.forms.bridge import bridge_from_layernorm, hook_name
 
 PLANTED_LAYER, PLANTED_NEURON = 1, 5

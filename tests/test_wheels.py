@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import pytest
 
-from lnfree.models.base import wheels
+from lnfree.models import wheels
 from lnfree.models.base import HUB_IDS, MODEL_NAMES, ModelError, resolve_model_source
 from lnfree.models.wheels import WheelModel, WheelModelError
 

@@ -63,7 +63,7 @@ tables and per-model summaries) and ``entropy_neurons_figures`` (the figures), a
 Notebook use::
 
     from lnfree.analysis.common import load_models, evaluation_tokens
-    from lnfree.analysis import entropy_neurons as en
+    from lnfree.analysis.entropy_neurons import run as en
     models = load_models(["gpt2", "runs/gpt2/export"], ["original", "ln_free"])
     ranking = en.rank_candidates(models[0].bridge())            # DataFrame, best first
     tokens = evaluation_tokens(models[0].tokenizer, source="...", n_sequences=32, length=256)
