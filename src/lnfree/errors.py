@@ -2,8 +2,8 @@
 
 Each specific error (`ConfigError`, `LoadError`, `ExportError`, …) lives beside the code that raises
 it and subclasses `LnfreeError` and `ValueError` (or `RuntimeError`), so `except ValueError` callers
-keep working while the CLI catches `LnfreeError` alone (plus `OSError` for missing or unreadable files)
-and lets a bug surface as a traceback.
+keep working. The CLI catches `LnfreeError` and `OSError` (missing or unreadable files), and for now
+`ValueError` too: some messages for users are still raised as plain `ValueError` (e.g. `lnfree.analysis.folder`).
 """
 
 from __future__ import annotations

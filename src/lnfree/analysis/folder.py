@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lnfree.errors import UsageError
 from lnfree.removal.derived import STALE_MARKER
 from lnfree.evaluate.results import TIMINGS
 
@@ -48,24 +49,24 @@ def check_folder(out: Path, names: list[str], sources: dict[str, str], settings:
     if not out.exists():
         return []
     if not out.is_dir():
-        raise ValueError(f"{out} is a file, not a folder; choose another folder (CLI: --out)")
+        raise UsageError(f"{out} is a file, not a folder; choose another folder (CLI: --out)")
     index = earlier_index(out)
     written = {*(index or {}).get("analyses", {}), *(index or {}).get("skipped", {})} if index else set()
     ours = (set(INDEX_FILES) if index else set()) | written | {STALE_MARKER}
     entries = {p.name for p in out.iterdir()}
     foreign = sorted(entries & (set(INDEX_FILES) | set(names)) - ours)
     if foreign:
-        raise ValueError(f"{out / foreign[0]} was not written by lnfree analyze and would be replaced; choose "
+        raise UsageError(f"{out / foreign[0]} was not written by lnfree analyze and would be replaced; choose "
                          "another folder (CLI: --out)")
     mismatch = _mismatch(index, sources, settings) if index else None
     repeated = [n for n in names if n in written]
     if not overwrite:
         if entries - ours:
-            raise ValueError(f"{out} holds files no analysis wrote ({', '.join(sorted(entries - ours)[:3])}); write "
+            raise UsageError(f"{out} holds files no analysis wrote ({', '.join(sorted(entries - ours)[:3])}); write "
                              "beside them with overwrite=True (CLI: --overwrite), or choose another folder (CLI: --out)")
         if mismatch or repeated:
             what = f"analyses of {mismatch}" if mismatch else f"the {', '.join(repeated)} analysis"
-            raise ValueError(f"{out} already holds {what}; replace it with overwrite=True (CLI: --overwrite), or "
+            raise UsageError(f"{out} already holds {what}; replace it with overwrite=True (CLI: --overwrite), or "
                              "choose another folder (CLI: --out)")
     return [] if mismatch or index is None else sorted(written - set(names))
 

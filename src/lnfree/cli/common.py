@@ -33,10 +33,10 @@ def fail(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors():
-    """Errors a user can cause (`LnfreeError`; `OSError`: missing or unreadable files) as one `error:` line; anything else is a bug."""
+    """Errors a user can cause (`LnfreeError`, the plain `ValueError`s still raised for users; `OSError`: files) as one `error:` line."""
     try:
         yield
-    except (LnfreeError, OSError) as err:
+    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
         fail(str(err))
 
 
