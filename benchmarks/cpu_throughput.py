@@ -8,7 +8,7 @@ these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 `train.chunked_vocab_loss` and `train.freeze_embeddings` explicitly:
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen;
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
-- bf16 + chunked: and CE + KL by `lnfree.vocab_loss` (`--chunk` tokens per chunk);
+- bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
 - … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too).
 
@@ -18,7 +18,7 @@ other jobs on the machine not counted) and wall time (`seconds`). The script pri
 CPU-hour and per wall hour per variant (median over rounds) and, per round, each variant's
 throughput over fp32's in that round, and writes them to
 `benchmarks/results/cpu_throughput_<model>.json` / `.txt`. bf16 needs a CPU with native bf16
-(avx512_bf16 or AMX, `lnfree.precision`) to be fast; the result records whether this one has it.
+(avx512_bf16 or AMX, `lnfree.removal.precision`) to be fast; the result records whether this one has it.
 
     python benchmarks/cpu_throughput.py [--config FILE] [--steps 10] [--warmup 2] [--rounds 2] [--chunk 1024]
         [--variants "fp32,bf16"] [--threads N]
@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from throughput import bench_config
 
-from lnfree.config import with_overrides
-from lnfree.precision import cpu_has_native_bf16
+from lnfree.removal.config import with_overrides
+from lnfree.removal.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None}

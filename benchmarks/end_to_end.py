@@ -4,7 +4,7 @@ Variants, timed interleaved with the order rotated every round:
 - minimal loop: the same maths with nothing else: the tiny model with lnfree's norms, the same
   micro-batches, schedule events, cross-entropy + auxiliary loss, clipping, AdamW at the same
   learning rates, σ updates; no accelerate, logging, evaluation or checkpoints;
-- lnfree run: `lnfree.train.run` of the preset as shipped (held-out CE every 20 steps,
+- lnfree run: `lnfree.removal.train.run` of the preset as shipped (held-out CE every 20 steps,
   checkpoints every 40);
 - lnfree run, no periodic eval/checkpoints: the same with eval_every = save_every = 0 (the
   held-out CE at start and end and the final checkpoint remain).
@@ -24,13 +24,13 @@ import time
 
 import torch
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import load_preset
-from lnfree.data import StepBatches, prepare_data
-from lnfree.models import load_base
-from lnfree.objective import auxiliary_loss
-from lnfree.train import learning_rate, make_optimizer, micro_batches, resolve_run, run
+from lnfree.removal.config import load_preset
+from lnfree.data.documents import StepBatches, prepare_data
+from lnfree.models.base import load_base
+from lnfree.removal.losses.objective import auxiliary_loss
+from lnfree.removal.train import learning_rate, make_optimizer, micro_batches, resolve_run, run
 
 
 def minimal_loop(config) -> float:
@@ -69,7 +69,7 @@ def minimal_loop(config) -> float:
 
 
 def lnfree_run(config) -> tuple[float, float]:
-    """(whole call, training loop) seconds of `lnfree.train.run` in a temporary folder."""
+    """(whole call, training loop) seconds of `lnfree.removal.train.run` in a temporary folder."""
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()
         result = run(config.model_copy(update={"output_dir": folder}), progress=False)

@@ -1,9 +1,9 @@
-"""Does a two-process gloo run of `lnfree.train.run` end cleanly? Exit codes over repeated torchrun runs.
+"""Does a two-process gloo run of `lnfree.removal.train.run` end cleanly? Exit codes over repeated torchrun runs.
 
 A user's script under torchrun calls `run(config)` and simply ends. One such run in ten to thirty aborted
 in interpreter teardown on a loaded CPU machine ("terminate called without an active exception",
 exit -6) after every result had been written, despite `close_distributed` registered at exit (the cause and
-the fix, `lnfree.launch.exit_without_teardown`: benchmarks/results/README.md). This measures how often a
+the fix, `lnfree.removal.launch.exit_without_teardown`: benchmarks/results/README.md). This measures how often a
 script that ends naturally aborts: it runs `tests/dist_worker.py --natural-exit`
 (the tiny preset, 2 gloo processes, no explicit teardown) `--runs` times, half of them beside a
 process that keeps one core busy, and counts exit codes and aborts.
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lnfree.config import load_preset, with_overrides
+from lnfree.removal.config import load_preset, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"

@@ -1,4 +1,4 @@
-"""The memory plan (lnfree.plan) against measured peak memory on CPU, and its plan for the GPT-2 presets.
+"""The memory plan (lnfree.removal.plan) against measured peak memory on CPU, and its plan for the GPT-2 presets.
 
 Each measurement runs in a fresh process with glibc's mmap threshold fixed at 64 KiB, so every
 tensor buffer is its own mapping, returned to the system when freed, and the process's resident
@@ -44,8 +44,8 @@ def measure(case: tuple) -> dict:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from lnfree import surgery
-    from lnfree.plan import Setup, model_shape, predict
+    from lnfree.fixedscale import surgery
+    from lnfree.removal.plan import Setup, model_shape, predict
 
     family, layers, hidden, heads, vocab, context, micro, checkpointing = case
     torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def measure(case: tuple) -> dict:
 
 def preset_plans() -> list[dict]:
     """The plan of every GPT-2 preset on 1 and 8 GPUs of 80 GB."""
-    from lnfree.plan import plan_preset
+    from lnfree.removal.plan import plan_preset
 
     rows = []
     for preset in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):

@@ -37,10 +37,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from lnfree.analysis import patching
+    from lnfree.analysis.patching import run as patching
     from lnfree.analysis.ioi import make_ioi_prompts
-    from lnfree.load import load
-    from lnfree.tiny import TINY_MODEL_DIR
+    from lnfree.forms.load import load
+    from lnfree.data.tiny import TINY_MODEL_DIR
 
     source = args.model or str(TINY_MODEL_DIR)
     loaded = load(source)

@@ -41,9 +41,10 @@ def run_one(job: tuple[str, int, int, str]) -> str:
     """Train (or resume) one variant × seed in this process and export it; returns its folder."""
     import torch
 
-    from lnfree.config import load_preset, with_overrides
-    from lnfree.export import export_run
-    from lnfree.train import RUN_CONFIG, run
+    from lnfree.removal.config import load_preset, with_overrides
+    from lnfree.forms.export import export_run
+    from lnfree.removal.layout import RUN_CONFIG
+    from lnfree.removal.train import run
 
     torch.set_num_threads(1)
     variant, seed, steps, root = job

@@ -48,12 +48,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
 from lnfree.fixedscale.state import ScaleState
-from lnfree.runtime import steady_allocator
-from lnfree.train import compile_blocks
+from lnfree.removal.runtime import steady_allocator
+from lnfree.removal.train import compile_blocks
 
 PLAIN = "plain"
 COMPILED_PLAIN = "compiled plain"

@@ -6,7 +6,7 @@ cut to `--steps` steps with one early removal so that nothing but training steps
 reads each step's time from the run's own `log.jsonl`. Variants:
 - default malloc (`train.steady_allocator = false`): glibc maps every allocation above 32 MB fresh
   from the kernel and unmaps it on free;
-- steady allocator (lnfree's default on a CPU, `lnfree.runtime`);
+- steady allocator (lnfree's default on a CPU, `lnfree.removal.runtime`);
 - steady allocator, second copy: the same again, a control whose true ratio is 1 (this run's resolution).
 
 Each round runs every variant once, the order rotated from round to round. Per run the median step
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lnfree.config import load_config, with_overrides
+from lnfree.removal.config import load_config, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"default malloc": False, "steady allocator": True, "steady allocator, second copy": True}

@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from families import FAMILIES, tiny_family  # noqa: E402
 
-from lnfree import surgery  # noqa: E402
-from lnfree.export import write_export  # noqa: E402
-from lnfree.verify import verify  # noqa: E402
+from lnfree.fixedscale import surgery  # noqa: E402
+from lnfree.forms.export import write_export  # noqa: E402
+from lnfree.forms.verify import verify  # noqa: E402
 
 
 def fixed_export(model, tokenizer, probe: torch.Tensor, folder: Path) -> dict:
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/export_exactness"))
     parser.add_argument("--smollm2-export", type=Path, default=Path("runs/smollm2-135m-cpu/ln_free/export"))
     args = parser.parse_args()
-    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
 
     tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
     rows = {}

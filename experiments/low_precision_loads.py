@@ -19,7 +19,7 @@ import torch
 
 from lnfree.arch import architecture
 from lnfree.evaluate import load_sequences, resolve_dataset, token_statistics
-from lnfree.load import load
+from lnfree.forms.load import load
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,7 +31,7 @@ def small_gpt2(n_layer: int = 2, n_embd: int = 32, n_positions: int = 32, vocab_
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A local folder holding a random 2-layer GPT-2 and the tiny word-level tokenizer."""
-    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
 
     tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
     model = small_gpt2(n_layer=2, n_embd=48, n_positions=64, vocab_size=len(tokenizer))
@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 def quick_run_config(output_dir, model: str, cache_dir, **train):
     """A RunConfig that fine-tunes `model` on the tiny corpus for a few steps."""
-    from lnfree.config import RunConfig
+    from lnfree.removal.config import RunConfig
 
     settings = {"max_steps": 16, "tokens_per_step": 8 * 64, "micro_batch_size": 4, "warmup_steps": 2,
                 "log_every": 1, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "sigma_init_batches": 2}
@@ -74,9 +74,9 @@ def tiny_ln_free_export(tmp_path_factory):
     """
     from transformers import AutoTokenizer
 
-    from lnfree import surgery
-    from lnfree.export import write_export
-    from lnfree.tiny import TINY_MODEL_DIR
+    from lnfree.fixedscale import surgery
+    from lnfree.forms.export import write_export
+    from lnfree.data.tiny import TINY_MODEL_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     model = surgery.install(GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval())

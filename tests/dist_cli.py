@@ -4,7 +4,7 @@
 
 Registered before lnfree is imported, the watcher runs last at exit: if the process reaches the
 interpreter's teardown, it writes REPORT_DIR/rank<N>.json with the gloo threads still alive then
-(the precondition of the teardown abort, `lnfree.launch.exit_without_teardown`).
+(the precondition of the teardown abort, `lnfree.removal.launch.exit_without_teardown`).
 """
 
 import atexit

@@ -12,10 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lnfree import surgery
-from lnfree.config import RunConfig
-from lnfree.launch import close_distributed, exit_without_teardown
-from lnfree.train import run
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import RunConfig
+from lnfree.removal.launch import close_distributed, exit_without_teardown
+from lnfree.removal.train import run
 
 config = RunConfig.model_validate_json(open(sys.argv[1]).read())
 result = run(config, progress=False)

@@ -141,7 +141,7 @@ def test_quiet_libraries_silences_other_libraries_for_the_block_only():
 
 
 def test_default_labels_are_unique_and_explicit_ones_must_be():
-    from lnfree.results import model_labels
+    from lnfree.evaluate.results import model_labels
 
     assert model_labels(["runs/tiny-llama", "runs/tiny-llama/export"]) == ["runs/tiny-llama", "tiny-llama/export"]
     assert model_labels(["gpt2", "runs/gpt2/export", "runs/gpt2/control"]) == ["gpt2", "gpt2/export", "control"]
@@ -214,9 +214,9 @@ def test_every_figure_gives_a_model_and_a_quantity_one_colour():
     import pandas as pd
 
     from lnfree.analysis.dla import _global_bar
-    from lnfree.analysis.entropy_neurons_figures import cumulative_entropy_figure, distributions_figure
+    from lnfree.analysis.entropy_neurons.figures import cumulative_entropy_figure, distributions_figure
     from lnfree.analysis.palette import MODEL_COLOURS, quantity_colour
-    from lnfree.analysis.patching_output import _agreement_figure
+    from lnfree.analysis.patching.output import _agreement_figure
 
     models, sets = ["original", "vanilla", "ln_free"], ["L3.7", "top-2"]
     dist = pd.DataFrame([{"model": m, "metric": k, "ablation": a, "q05": 0, "q25": 1, "median": 2, "q75": 3, "q95": 4,

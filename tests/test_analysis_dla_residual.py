@@ -13,9 +13,9 @@ from transformers import GPT2LMHeadModel
 
 from lnfree.analysis import dla, residual
 from lnfree.analysis.common import AnalysisModel
-from lnfree.bridge import hook_name
-from lnfree.load import load
-from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.forms.bridge import hook_name
+from lnfree.forms.load import load
+from lnfree.data.tiny import TINY_MODEL_DIR
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_layernorm_model_dla_differs_from_de_and_de_is_an_ablation(models, token
     recomputed = dla.final_norm(bridge, store["x"].double()) @ bridge.W_U.double() + bridge.b_U.double()
     torch.testing.assert_close(recomputed, logits.double(), atol=1e-4, rtol=0)
     # DE of a head == the target-logit drop when the bridge runs with that head removed from the final residual
-    from lnfree.attribution import residual_decomposition
+    from lnfree.analysis.attribution import residual_decomposition
 
     index = result.labels.index("L2H1")
     component = residual_decomposition(bridge, tokens, per_head=True).components[index]
@@ -176,8 +176,8 @@ def test_residual_run_writes_tables_figures_and_summary(models, tokens, tmp_path
 
 
 def test_dla_refuses_a_partially_ln_free_model(tokens):
-    from lnfree import surgery
-    from lnfree.load import LoadedModel
+    from lnfree.fixedscale import surgery
+    from lnfree.forms.load import LoadedModel
 
     model = surgery.install(GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval())
     surgery.initialise_sigmas(model, [tokens])
@@ -193,8 +193,8 @@ def test_dla_refuses_a_partially_ln_free_model(tokens):
 def test_dla_equals_de_when_only_the_final_norm_is_fixed(family, tokens):
     """The DLA-exact partial removal: every block norm real, the final norm fixed."""
     from families import tiny_family
-    from lnfree import surgery
-    from lnfree.load import LoadedModel
+    from lnfree.fixedscale import surgery
+    from lnfree.forms.load import LoadedModel
 
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval() if family == "tiny-gpt2" else tiny_family(family)
     ids = tokens % model.config.vocab_size

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import small_gpt2
-from lnfree.analysis import entropy_neurons as en
-from lnfree.bridge import bridge_from_layernorm, hook_name
+from lnfree.analysis.entropy_neurons import run as en
+from lnfree.forms.bridge import bridge_from_layernorm, hook_name
 
 PLANTED_LAYER, PLANTED_NEURON = 1, 5
 
@@ -187,10 +187,10 @@ def planted(tmp_path_factory):
     """
     from transformers import AutoTokenizer
 
-    from lnfree import surgery
+    from lnfree.fixedscale import surgery
     from lnfree.analysis.common import load_models
-    from lnfree.export import write_export
-    from lnfree.tiny import TINY_MODEL_DIR
+    from lnfree.forms.export import write_export
+    from lnfree.data.tiny import TINY_MODEL_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     model = small_gpt2(n_layer=2, n_embd=32, n_positions=64, vocab_size=len(tokenizer), seed=5)

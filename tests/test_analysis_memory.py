@@ -10,15 +10,16 @@ import torch
 from typer.testing import CliRunner
 
 from families import tiny_family
-from lnfree.analysis import common, dla, patching, residual
-from lnfree.analysis import entropy_neurons as en
-from lnfree.analysis import entropy_neurons_ablation as ablation
+from lnfree.analysis import common, dla, residual
+from lnfree.analysis.patching import run as patching
+from lnfree.analysis.entropy_neurons import run as en
+from lnfree.analysis.entropy_neurons import ablation
 from lnfree.analysis.common import AnalysisModel, logit_rows
 from lnfree.analysis.ioi import make_ioi_prompts
-from lnfree.bridge import LAST_POSITION_LOGITS, bridge_from_layernorm, hook_name, norm_centres, norm_weight
+from lnfree.forms.bridge import LAST_POSITION_LOGITS, bridge_from_layernorm, hook_name, norm_centres, norm_weight
 from lnfree.cli import app
-from lnfree.load import LoadedModel, load
-from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.forms.load import LoadedModel, load
+from lnfree.data.tiny import TINY_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ import torch
 from conftest import byte_level_bpe, own_corpus
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lnfree.analysis import patching
+from lnfree.analysis.patching import run as patching
 from lnfree.analysis.common import AnalysisModel, NotApplicable
 from lnfree.analysis.ioi import (DEFAULT_TEMPLATES, GPT2_NAMES, GPT2_OBJECTS, GPT2_PLACES, make_ioi_prompts,
                                  single_token_id, single_token_words)
-from lnfree.bridge import bridge_from_folded, hook_name
-from lnfree.load import load
-from lnfree.tiny import NAMES, OBJECTS, PLACES, TINY_MODEL_DIR
+from lnfree.forms.bridge import bridge_from_folded, hook_name
+from lnfree.forms.load import load
+from lnfree.data.tiny import NAMES, OBJECTS, PLACES, TINY_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,17 @@ from families import FAMILIES, tiny_family
 from transformers import AutoModelForCausalLM, BertConfig, MambaConfig
 
 import lnfree
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.analysis.dla import dla_and_direct_effect
 from lnfree.arch import UnsupportedModel, architecture
-from lnfree.export import write_export
+from lnfree.forms.export import write_export
 
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
 
     return build_tokenizer(generate_documents(200, PRETRAIN_SEED))
 
@@ -125,14 +125,14 @@ def test_unsupported_architectures_get_one_error_naming_the_supported_families(t
             architecture(config)
     folder = tmp_path / "bert"
     BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32).save_pretrained(folder)
-    from lnfree.models import ModelError, load_base
+    from lnfree.models.base import ModelError, load_base
 
     with pytest.raises(ModelError, match="supported families"):
         load_base(str(folder))
 
 
 def test_qwen3_per_head_norms_are_their_own_stage_after_the_v_paths():
-    from lnfree.schedule import derive_schedule
+    from lnfree.removal.schedule import derive_schedule
 
     arch = architecture(tiny_family("qwen3"))
     events = derive_schedule(arch.n_layers, stages=arch.stages).check(
@@ -144,7 +144,7 @@ def test_qwen3_per_head_norms_are_their_own_stage_after_the_v_paths():
 
 
 def test_gemma3_output_norms_fold_into_their_producers_and_go_last_and_softcapping_is_refused():
-    from lnfree.schedule import derive_schedule
+    from lnfree.removal.schedule import derive_schedule
 
     model = tiny_family("gemma3")
     arch = architecture(model)
@@ -190,7 +190,7 @@ def family_run_config(family, tokenizer, tmp_path, **train):
     """A quick run on the tiny corpus that removes every slot of a tiny `family` model."""
     from conftest import quick_run_config
 
-    from lnfree.config import with_overrides
+    from lnfree.removal.config import with_overrides
 
     folder = tmp_path / f"{family}-model"
     model = tiny_family(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -208,9 +208,9 @@ def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family,
     import json
     import shutil
 
-    from lnfree.config import with_overrides
-    from lnfree.export import export_run
-    from lnfree.train import run
+    from lnfree.removal.config import with_overrides
+    from lnfree.forms.export import export_run
+    from lnfree.removal.train import run
 
     config = family_run_config(family, tokenizer, tmp_path, save_every=4)
     full = run(config, progress=False)
@@ -239,7 +239,7 @@ def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family,
     ("llama-3.2-1b", "llama", 16),
 ])
 def test_family_presets_remove_every_slot_of_their_model_within_the_run(preset, family, depth):
-    from lnfree.config import load_preset
+    from lnfree.removal.config import load_preset
 
     config = load_preset(preset)
     model_config = tiny_family(family).config
@@ -253,7 +253,7 @@ def test_family_presets_remove_every_slot_of_their_model_within_the_run(preset, 
 def test_export_chooses_eps_from_massive_activations_and_stays_exact(tokenizer, tmp_path):
     import json
 
-    from lnfree.export import choose_eps, to_eps_trick
+    from lnfree.forms.export import choose_eps, to_eps_trick
 
     vocab = len(tokenizer)
     model = tiny_family("llama", vocab_size=vocab)
@@ -284,7 +284,7 @@ def test_folding_a_few_columns_at_a_time_gives_the_same_weights(family, monkeypa
     """`fold` reads each column before it writes it, a block of columns at a time (no copy of a whole
     vocabulary-sized head): blocks of 3 columns give the weights one block gives, bit for bit, and the
     installed model is left as it was."""
-    import lnfree.fold as fold_module
+    import lnfree.forms.fold as fold_module
 
     model = fully_fixed(surgery.install(tiny_family(family, vocab_size=50)), 50)
     before = {name: value.clone() for name, value in model.state_dict().items()}

@@ -35,7 +35,7 @@ def test_step_time_runs_every_variant(tmp_path):
 
 
 def test_throughput_runs_lnfree_remove_with_and_without_the_steady_allocator(tmp_path):
-    from lnfree.config import load_preset
+    from lnfree.removal.config import load_preset
 
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny").model_dump_json())

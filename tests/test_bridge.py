@@ -1,4 +1,4 @@
-"""TransformerLens bridges (lnfree.bridge) around real-LN, eps-trick and folded LN-free GPT-2s."""
+"""TransformerLens bridges (lnfree.forms.bridge) around real-LN, eps-trick and folded LN-free GPT-2s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lnfree.bridge import (  # noqa: E402
+from lnfree.forms.bridge import (  # noqa: E402
     bridge_from_folded,
     bridge_with_own_norms,
     bridge_from_layernorm,
@@ -20,7 +20,7 @@ from lnfree.bridge import (  # noqa: E402
     hook_name,
     is_layernorm_free,
 )
-from lnfree.attribution import direct_logit_attribution, residual_decomposition  # noqa: E402
+from lnfree.analysis.attribution import direct_logit_attribution, residual_decomposition  # noqa: E402
 
 TOL = 1e-4
 
@@ -31,7 +31,7 @@ TOL = 1e-4
 
 
 def _fallback_tokenizer():
-    """A tiny word-level tokenizer built in memory (used only if lnfree.tiny is unavailable)."""
+    """A tiny word-level tokenizer built in memory (used only if lnfree.data.tiny is unavailable)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -48,8 +48,8 @@ def _fallback_tokenizer():
 @pytest.fixture(scope="module")
 def tokenizer():
     try:
-        from lnfree.tiny import build_tokenizer, generate_documents
-    except ImportError:  # pragma: no cover - lnfree.tiny is developed concurrently
+        from lnfree.data.tiny import build_tokenizer, generate_documents
+    except ImportError:  # pragma: no cover - lnfree.data.tiny is developed concurrently
         return _fallback_tokenizer()
     return build_tokenizer(generate_documents(50, 0))
 
@@ -99,7 +99,7 @@ def assert_unchanged(model, snap):
 
 
 # ----------------------------------------------------------------------------------------------
-# Fixed-scale LayerNorm and its exact fold (built here, independently of lnfree.bridge)
+# Fixed-scale LayerNorm and its exact fold (built here, independently of lnfree.forms.bridge)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -371,7 +371,7 @@ def test_a_gpt2_without_scaled_attention_is_refused_by_the_bridge():
 def test_value_bias_fold_is_skipped_only_where_it_changes_nothing(family, monkeypatch):
     """TL's fold_value_biases copies every weight; for an RMSNorm model without attention biases it has
     nothing to fold, and the bridge built without it is the same, weight for weight."""
-    import lnfree.bridge as lb
+    import lnfree.forms.bridge as lb
     from families import tiny_family
     from lnfree.arch import architecture
 
@@ -396,9 +396,9 @@ def test_loaded_bridges_share_the_embedding_and_never_write_it(family, tokenizer
     """`LoadedModel.bridge()` builds on a new model whose token embedding is the loaded model's own
     memory (one vocabulary-sized copy fewer): the bridges still match, and the model is unchanged."""
     from families import tiny_family
-    from lnfree import surgery
-    from lnfree.export import write_export
-    from lnfree.load import load
+    from lnfree.fixedscale import surgery
+    from lnfree.forms.export import write_export
+    from lnfree.forms.load import load
 
     base = tiny_family(family, vocab_size=len(tokenizer))
     base.save_pretrained(tmp_path / "original")

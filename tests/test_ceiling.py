@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from families import FAMILIES, tiny_family
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.fixedscale.functional import real_norm
 from lnfree.fixedscale.norms import FixedScaleNorm
 from lnfree.fixedscale.state import ScaleState
-from lnfree.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling, watching
-from lnfree.config import with_overrides
-from lnfree.train import run
+from lnfree.fixedscale.ceiling import RELEASE_RISE, ScaleCeiling, set_ceiling, watching
+from lnfree.removal.config import with_overrides
+from lnfree.removal.train import run
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
@@ -115,7 +115,7 @@ def test_a_ceiling_can_spare_position0_which_then_computes_as_without_it(family)
 
 
 def test_sparing_position0_needs_its_own_sigma(run_config):
-    from lnfree.schedule import ScheduleError
+    from lnfree.removal.schedule import ScheduleError
 
     config = with_overrides(run_config(max_steps=24), {"removal.scale_ceiling": {"position0": False, "release_steps": 4}})
     with pytest.raises(ScheduleError, match="special_pos0"):
@@ -159,7 +159,7 @@ def test_a_guarded_run_logs_the_model_without_its_guard_resumes_exactly_and_ends
 
 
 def test_a_release_that_does_not_fit_the_run_is_refused(run_config):
-    from lnfree.schedule import ScheduleError
+    from lnfree.removal.schedule import ScheduleError
 
     config = with_overrides(run_config(max_steps=24), {"removal.scale_ceiling": {"release_start": 20,
                                                                                  "release_steps": 10}})

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 
 from lnfree.cli import app
-from lnfree.config import load_preset
-from lnfree.resolve import sigma_momentum_per_step
-from lnfree.train import run
+from lnfree.removal.config import load_preset
+from lnfree.removal.resolve import sigma_momentum_per_step
+from lnfree.removal.train import run
 
 runner = CliRunner()
 
@@ -76,7 +76,7 @@ def test_export_command_writes_a_loadable_model_and_refuses_partial_runs(run_con
 def test_every_option_has_help_and_shows_its_default():
     checked = 0
     for name, command in typer.main.get_command(app).commands.items():
-        if name == "analyze":  # lnfree/analysis/cli.py
+        if name == "analyze":  # src/lnfree/cli/analysis.py
             continue
         for param in command.params:
             if param.param_type_name != "option" or param.name == "help" or param.required:
@@ -103,9 +103,9 @@ def test_gpt2_presets_fine_tune_as_p25_did():
 
 
 def test_a_presets_micro_batch_bounds_the_automatic_one_when_the_user_changes_the_step():
-    from lnfree.cli_common import adapt_micro_batch as _adapt_micro_batch
-    from lnfree.config import with_overrides
-    from lnfree.train import micro_batches
+    from lnfree.cli.common import adapt_micro_batch as _adapt_micro_batch
+    from lnfree.removal.config import with_overrides
+    from lnfree.removal.train import micro_batches
 
     xl = with_overrides(load_preset("gpt2-xl"), {"train.tokens_per_step": 12 * 1024})
     adapted = _adapt_micro_batch(xl, {"train.tokens_per_step": 12 * 1024}, [])
@@ -195,9 +195,9 @@ def test_verify_writes_its_report_only_where_asked(tiny_ln_free_export, tmp_path
 
 
 def test_remove_with_only_the_final_norm_keeps_the_run_folder_and_says_so(run_config, tmp_path):
-    from lnfree.load import load
+    from lnfree.forms.load import load
 
-    from lnfree.config import with_overrides
+    from lnfree.removal.config import with_overrides
 
     config = with_overrides(run_config(max_steps=6), {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 3}]}})
     path = tmp_path / "lnf.json"
@@ -212,12 +212,12 @@ def test_remove_with_only_the_final_norm_keeps_the_run_folder_and_says_so(run_co
 
 
 def test_a_run_whose_export_runs_away_keeps_its_summary_and_fails_with_the_reason(run_config, tmp_path, monkeypatch):
-    import lnfree.export
+    import lnfree.forms.export
 
     def runs_away(*args, **kwargs):
-        raise lnfree.export.RunawayError("the model runs away on 2 of 20 probe rows: BOS, token ' x' twice, then random ids")
+        raise lnfree.forms.export.RunawayError("the model runs away on 2 of 20 probe rows: BOS, token ' x' twice, then random ids")
 
-    monkeypatch.setattr(lnfree.export, "export_run", runs_away)
+    monkeypatch.setattr(lnfree.forms.export, "export_run", runs_away)
     path = tmp_path / "run.json"
     path.write_text(run_config(max_steps=12).model_dump_json())
     result = runner.invoke(app, ["remove", "--config", str(path), "--no-control"])
@@ -230,7 +230,6 @@ def test_ctrl_c_says_where_the_run_stands_and_how_to_resume_it(tmp_path, model_d
     import sys
 
     from lnfree import cli
-
     finish = cli._remove_and_report
 
     def interrupted(*args):

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from families import tiny_family
 from lnfree.cli import app
-from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.data.tiny import TINY_MODEL_DIR
 
 runner = CliRunner()
 QUICK = ["--dataset", "tiny", "--n-sequences", "2", "--bootstrap", "10", "--device", "cpu", "--no-progress"]
@@ -62,7 +62,7 @@ def test_a_device_this_torch_lacks_is_one_error_line(tmp_path):
 
 
 def test_a_mistyped_model_name_is_named_unknown_with_the_names(monkeypatch):
-    from lnfree.sources import MODEL_NAMES
+    from lnfree.models.sources import MODEL_NAMES
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online: still no Hub look-up for a typo of a name
     monkeypatch.setattr("huggingface_hub.HfApi.model_info", lambda *a, **k: pytest.fail("asked the Hub"))
@@ -94,7 +94,7 @@ def test_push_without_a_token_or_a_network_says_what_to_do_in_one_line(tiny_ln_f
 
 @pytest.mark.parametrize("preset, lr", [("gpt2", 1e-4), ("tiny", 1e-5)])
 def test_a_lower_lr_lowers_the_presets_floor(preset, lr, tmp_path):
-    from lnfree.cli_common import base_config, remove_config
+    from lnfree.cli.common import base_config, remove_config
 
     cfg = remove_config(base_config(preset, None, None), {"train.learning_rate": lr}, [])
     assert cfg.train.learning_rate == cfg.train.min_learning_rate == lr
@@ -113,7 +113,7 @@ def test_the_bundled_models_pass_verify_and_it_prints_what_it_compares():
 
 
 def test_errors_name_the_flags_of_the_command_line():
-    from lnfree.cli_common import cli_message
+    from lnfree.cli.common import cli_message
 
     assert cli_message("x already holds this same run; continue it with resume=True (CLI: --resume) or replace it "
                        "with overwrite=True (CLI: --overwrite)") == (

@@ -9,9 +9,9 @@ import torch
 from families import tiny_family
 from torch._dynamo.utils import counters
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.train import compile_blocks
+from lnfree.removal.train import compile_blocks
 
 TOLERANCE = 1e-5  # fp32 logits of a 2-block model of width 32; compiled kernels reorder sums
 
@@ -80,8 +80,8 @@ def test_no_graph_breaks_in_a_block_with_installed_norms(family, state):
 def test_captured_tensors_match_eager_and_every_block_shares_one_graph():
     # The training losses' hooks (norm inputs, MLP outputs) run inside compiled blocks: captured by a
     # growing list, each block's graph was guarded on its length (one recompile per block and step).
-    from lnfree.massive import NormInputs
-    from lnfree.position0_mlp import MlpOutputs
+    from lnfree.removal.losses.massive import NormInputs
+    from lnfree.removal.losses.position0_mlp import MlpOutputs
 
     torch.manual_seed(0)
     eager = surgery.install(tiny_family("llama")).train()

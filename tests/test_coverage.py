@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from lnfree import surgery
-from lnfree.config import with_overrides
-from lnfree.coverage import Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales
-from lnfree.train import run
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import with_overrides
+from lnfree.removal.losses.coverage import Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales
+from lnfree.removal.train import run
 
 
 def test_rows_are_a_pure_function_of_step_and_rank_and_start_with_bos():
@@ -60,7 +60,7 @@ def test_the_rows_gradient_is_capped_at_its_share_of_the_texts():
 
 
 def test_paused_statistics_leave_sigma_to_the_text(run_config):
-    from lnfree.models import load_base
+    from lnfree.models.base import load_base
 
     model, _ = load_base(run_config().model)
     surgery.install(model)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lnfree.config import load_preset
+from lnfree.removal.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lnfree.config import DataConfig
-from lnfree.data import DataError, DeviceBatches, StepBatches, prepare_data
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import DataError, DeviceBatches, StepBatches, prepare_data
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_documents_are_joined_with_eot_and_eot_stays_a_target(tokenizer, tmp_pat
 
     from conftest import small_gpt2
 
-    from lnfree.train import held_out_ce
+    from lnfree.removal.train import held_out_ce
 
     model = small_gpt2(vocab_size=len(tokenizer))
     ids = data.eval_batch(2)
@@ -155,7 +155,7 @@ def test_device_batches_equal_step_batches_in_order_and_after_a_jump():
 def test_a_family_that_needs_bos_gets_it_first_in_every_sequence_of_training_and_evaluation(tokenizer, tmp_path):
     from families import tiny_family
 
-    from lnfree.data import bos_token
+    from lnfree.data.documents import bos_token
     from lnfree.evaluate import load_sequences, resolve_dataset
 
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))

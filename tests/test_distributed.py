@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lnfree import surgery
-from lnfree.config import with_overrides
-from lnfree.train import run
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import with_overrides
+from lnfree.removal.train import run
 
 
 def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_path):
@@ -24,7 +24,7 @@ def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_p
 def test_two_process_family_run_freezes_identical_sigma(family, tmp_path):
     from test_arch import family_run_config
 
-    from lnfree.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
 
     tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
     two_processes_match_one(family_run_config(family, tokenizer, tmp_path, micro_batch_size=4), tmp_path)
@@ -96,7 +96,7 @@ def two_processes_match_one(config, tmp_path):
 def test_two_process_damped_run_damps_the_same_neurons_as_one(run_config, tmp_path):
     from test_massive import planted_tiny
 
-    from lnfree.massive import NEURONS_FILE
+    from lnfree.removal.losses.massive import NEURONS_FILE
 
     config = with_overrides(run_config(max_steps=22, micro_batch_size=4),  # 4 blocks: the last removal at 18
                             {"model": str(planted_tiny(tmp_path)), "removal.massive_neurons": {"steps": 4}})

@@ -44,7 +44,7 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
     assert len(blocks) >= 3
     # The loading blocks read runs/tiny/export, which the quick start's `lnfree remove` makes; here the
     # Python API page's own run (runs/tiny-api) stands in for it: run that block first.
-    training = [b for b in blocks if "lnfree.train import run" in b[1]]
+    training = [b for b in blocks if "lnfree.removal.train import run" in b[1]]
     assert len(training) == 1
     others = [b for b in blocks if b not in training]
     exec(compile(training[0][1], str(training[0][0]), "exec"), {})

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from lnfree import evaluate as ev
 from lnfree.cli import app
-from lnfree.derived import STALE_MARKER
-from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.removal.derived import STALE_MARKER
+from lnfree.data.tiny import TINY_MODEL_DIR
 
 runner = CliRunner()
 
@@ -131,7 +131,7 @@ def test_bootstrap_is_identical_for_the_same_seed():
 
 
 def test_block_bootstrap_widens_the_ci_of_correlated_neighbours():
-    from lnfree.results import bootstrap_ci
+    from lnfree.evaluate.results import bootstrap_ci
 
     # Runs of 10 identical neighbours (sequences of one document): 10 independent values, not 200.
     values = np.repeat(np.random.default_rng(0).normal(size=20), 10)
@@ -227,8 +227,8 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     assert len(summary["pairs"]) == 3 and summary["reference"] == "vanilla"
     assert summary["convention"] == ev.SCORING_CONVENTION
     # The tiny set is the removal run's held-out text: the original's CE recomputed directly.
-    from lnfree.config import load_preset
-    from lnfree.data import prepare_data
+    from lnfree.removal.config import load_preset
+    from lnfree.data.documents import prepare_data
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     config = load_preset("tiny").data.model_copy(update={"cache_dir": cache})

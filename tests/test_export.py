@@ -10,8 +10,8 @@ import torch
 from conftest import small_gpt2
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
-from lnfree import surgery
-from lnfree.export import RECORD, ExportError, to_eps_trick, write_export
+from lnfree.fixedscale import surgery
+from lnfree.forms.export import RECORD, ExportError, to_eps_trick, write_export
 
 
 def removed_model(seed=0, distinct_v_sigma=True):
@@ -88,7 +88,7 @@ def test_export_refuses_active_special_sigma_and_occupied_folders(tmp_path, toke
 
 
 def test_an_eps_beyond_fp32_is_refused_not_written():
-    from lnfree.export import MAX_EPS, ExportError, choose_eps
+    from lnfree.forms.export import MAX_EPS, ExportError, choose_eps
 
     assert choose_eps(None) == 1e12 and choose_eps(1e6) > 1e12
     assert choose_eps(1e20) <= MAX_EPS
@@ -133,7 +133,7 @@ def test_the_default_probe_holds_bos_and_the_export_is_measured_exact_on_it(tmp_
 
 
 def test_the_export_raises_eps_until_its_measured_error_is_within_tolerance(tmp_path, tokenizer, monkeypatch):
-    import lnfree.export as export
+    import lnfree.forms.export as export
 
     model = massive_bos_llama()
     monkeypatch.setattr(export, "choose_eps", lambda peak: 1e12)  # as if the peak had been missed
@@ -153,9 +153,9 @@ def test_probe_rows_the_model_itself_runs_away_on_are_refused_or_left_out_and_li
     never forgiven."""
     from families import tiny_family
 
-    from lnfree.export import RUNAWAY_PEAK
-    from lnfree.probe import probe_batch
-    from lnfree.verify import verify
+    from lnfree.forms.export import RUNAWAY_PEAK
+    from lnfree.removal.losses.probe import probe_batch
+    from lnfree.forms.verify import verify
 
     model = tiny_family("mistral", vocab_size=600, eos_token_id=0)  # an untied head: one row's logits stay finite
     model.config.bos_token_id = 1
@@ -191,8 +191,8 @@ def test_probe_rows_the_model_itself_runs_away_on_are_refused_or_left_out_and_li
 
 
 def test_comparing_logits_counts_a_non_finite_logit_as_an_infinite_difference():
-    from lnfree.probe import compare_logits
-    from lnfree.verify import within
+    from lnfree.removal.losses.probe import compare_logits
+    from lnfree.forms.verify import within
 
     ids = torch.zeros(2, 3, dtype=torch.long)
     const = lambda value: (lambda x: torch.full((2, 3, 5), value))  # noqa: E731

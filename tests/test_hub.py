@@ -9,11 +9,11 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from transformers import AutoTokenizer
 
-from lnfree import surgery
-from lnfree.export import write_export
-from lnfree.export import RECORD
-from lnfree.hub import PushError, build_card, push
-from lnfree.verify import verify
+from lnfree.fixedscale import surgery
+from lnfree.forms.export import write_export
+from lnfree.forms.export import RECORD
+from lnfree.forms.hub import PushError, build_card, push
+from lnfree.forms.verify import verify
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_card_of_a_fine_tune_names_the_relation_and_its_load_snippet_runs_exactl
 
 
 def test_bundled_models_are_mit_licensed_and_not_named_as_hub_base_models():
-    from lnfree.hub import base_license
+    from lnfree.forms.hub import base_license
 
     assert base_license("tiny") == base_license("realtext") == "mit"
 

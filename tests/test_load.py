@@ -9,10 +9,10 @@ import torch
 from conftest import small_gpt2
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
-from lnfree import surgery
-from lnfree.export import RECORD, write_export
-from lnfree.load import LoadedModel, LoadError, load
-from lnfree.verify import verify
+from lnfree.fixedscale import surgery
+from lnfree.forms.export import RECORD, write_export
+from lnfree.forms.load import LoadedModel, LoadError, load
+from lnfree.forms.verify import verify
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_verify_passes_a_good_export_and_fails_a_corrupted_one(tokenizer, tmp_pa
 
 
 def test_checkpoints_at_every_stage_load_exactly_in_every_representation(run_config):
-    from lnfree.train import run
+    from lnfree.removal.train import run
 
     result = run(run_config(max_steps=12, save_every=2), progress=False)
     checkpoints = result.output_dir / "checkpoints"

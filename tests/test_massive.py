@@ -14,14 +14,14 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from families import FAMILIES, tiny_family
 from lnfree.arch import architecture
-from lnfree.config import with_overrides
-from lnfree.export import export_run
-from lnfree.massive import (
+from lnfree.removal.config import with_overrides
+from lnfree.forms.export import export_run
+from lnfree.removal.losses.massive import (
     NEURONS_FILE, Damping, MassiveNeurons, NormInputs, Neuron, find_massive_neurons, massive_scales,
     plant_massive_neuron, scale_neurons, scale_tail_loss, tail_at,
 )
-from lnfree.tiny import TINY_MODEL_DIR
-from lnfree.train import run
+from lnfree.data.tiny import TINY_MODEL_DIR
+from lnfree.removal.train import run
 
 
 def first_token_ids(vocab: int = 64, seed: int = 1) -> torch.Tensor:
@@ -114,8 +114,8 @@ def test_damping_zeroes_again_after_the_optimiser_moved_a_dead_neuron():
 
 def planted_tiny(folder, scale: float = 1000.0):
     """The bundled tiny GPT-2 with a planted massive neuron (position 0's residual ~700× the median)."""
-    from lnfree.config import DataConfig
-    from lnfree.data import prepare_data
+    from lnfree.removal.config import DataConfig
+    from lnfree.data.documents import prepare_data
 
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -192,7 +192,7 @@ def test_resume_during_damping_is_exact_and_the_config_round_trips(run_config, p
 
 
 def test_scale_loss_is_zero_at_the_typical_scale_and_pulls_outliers_in():
-    from lnfree.massive import scale_loss
+    from lnfree.removal.losses.massive import scale_loss
 
     ids = torch.tensor([[5, 6, 7, 0, 8]])  # position 0 and the EOT (id 0) are not typical
     x = torch.randn(1, 5, 16)
@@ -216,7 +216,7 @@ def test_scale_loss_is_zero_at_the_typical_scale_and_pulls_outliers_in():
 
 
 def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_path):
-    from lnfree.massive import NormInputs, scale_loss
+    from lnfree.removal.losses.massive import NormInputs, scale_loss
 
     base = with_overrides(run_config(max_steps=12, learning_rate=1e-3, eval_every=0),
                           {"removal.schedule": {"stages": [{"kind": "ln_f", "start": 11}]}})
@@ -238,7 +238,7 @@ def test_scale_loss_is_logged_and_narrows_the_spread_of_scales(run_config, tmp_p
 
 
 def test_measured_at_the_output_the_tail_sees_a_token_along_the_norms_large_weight_channels():
-    from lnfree.massive import weighted_inputs
+    from lnfree.removal.losses.massive import weighted_inputs
 
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     x = torch.full((1, 5, 16), (16 / 15) ** 0.5)  # every token at RMS 1, channels 1-15 ...
@@ -261,7 +261,7 @@ def test_measured_at_the_output_the_tail_sees_a_token_along_the_norms_large_weig
 
 
 def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
-    from lnfree.massive import ScaleTail
+    from lnfree.removal.losses.massive import ScaleTail
 
     ids = torch.tensor([[5, 6, 7, 0, 8]])  # position 0 and the EOT (id 0) are not typical
     x = torch.randn(1, 5, 16)
@@ -287,8 +287,8 @@ def test_the_tail_loss_sees_only_tokens_above_its_ratio_and_shrinks_them():
 
 
 def test_the_position0_hinge_on_what_it_leaves_its_norms_with():
-    from lnfree import surgery
-    from lnfree.massive import Position0Tail, position0_log_gain
+    from lnfree.fixedscale import surgery
+    from lnfree.removal.losses.massive import Position0Tail, position0_log_gain
 
     model = surgery.install(tiny_family("gemma3"), special_pos0=True)
     ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -387,8 +387,8 @@ def test_a_run_can_hinge_what_position0_leaves_its_norms_with(run_config):
 def outlier_token_tiny(folder, scale: float = 4.0) -> tuple[Path, int]:
     """The bundled tiny GPT-2 with one frequent token's embedding row scaled `scale`×: a token whose
     residual stream is far above the typical one (a planted outlier, not at position 0)."""
-    from lnfree.config import DataConfig
-    from lnfree.data import prepare_data
+    from lnfree.removal.config import DataConfig
+    from lnfree.data.documents import prepare_data
 
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -425,9 +425,9 @@ def test_the_tail_loss_pulls_a_planted_outlier_token_in_while_its_norms_are_fixe
 def test_the_losss_hooks_keep_only_its_own_forwards_not_the_evaluations_between_steps():
     import contextlib
 
-    from lnfree.config import TrainConfig
-    from lnfree.objective import Objective
-    from lnfree.position0_mlp import Position0Mlp
+    from lnfree.removal.config import TrainConfig
+    from lnfree.removal.losses.objective import Objective
+    from lnfree.removal.losses.position0_mlp import Position0Mlp
 
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
     train = TrainConfig(scale_loss_weight=0.1, position0_mlp=Position0Mlp(from_block=1))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from lnfree.config import ConfigError, with_overrides
-from lnfree.neuron_range import NeuronActivations, neuron_range_loss, neuron_ranges
-from lnfree.tiny import TINY_MODEL_DIR
-from lnfree.train import run
+from lnfree.removal.config import ConfigError, with_overrides
+from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss, neuron_ranges
+from lnfree.data.tiny import TINY_MODEL_DIR
+from lnfree.removal.train import run
 
 
 def test_only_activations_above_ratio_times_the_range_count_and_descent_shrinks_them():
@@ -77,7 +77,7 @@ def test_it_needs_a_teacher(run_config):
 
 
 def test_it_and_the_position0_mlp_loss_hook_the_same_modules_without_taking_each_others_tensors():
-    from lnfree.position0_mlp import MlpOutputs
+    from lnfree.removal.losses.position0_mlp import MlpOutputs
 
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
     inputs, outputs = NeuronActivations(model), MlpOutputs(model, [0])  # both on every block's output projection

@@ -9,13 +9,13 @@ import torch
 from conftest import small_gpt2
 from families import FAMILIES, tiny_family
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.fixedscale.functional import centred_times, second_moment
 from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
 from lnfree.fixedscale.state import FOLD_ELEMENTS, FOLD_EVERY, ScaleState
 from lnfree.fixedscale.rescaled import RescaledProjection
-from lnfree.schedule import Event
+from lnfree.removal.schedule import Event
 
 
 def fixed_sigma_ln(x, weight, bias, sigma):

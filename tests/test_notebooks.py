@@ -164,9 +164,9 @@ def test_modern_models_notebook_runs_on_tiny_stand_ins(tmp_path, kernel_manager)
     from test_arch import fully_fixed
     from transformers import AutoTokenizer
 
-    from lnfree import surgery
-    from lnfree.export import write_export
-    from lnfree.tiny import TINY_MODEL_DIR
+    from lnfree.fixedscale import surgery
+    from lnfree.forms.export import write_export
+    from lnfree.data.tiny import TINY_MODEL_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     sources = {}

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from conftest import small_gpt2
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.cli import app
-from lnfree.config import load_preset, with_overrides
-from lnfree.plan import GB, Setup, Teacher, model_shape, plan_preset, plan_run, predict
+from lnfree.removal.config import load_preset, with_overrides
+from lnfree.removal.plan import GB, Setup, Teacher, model_shape, plan_preset, plan_run, predict
 
 XL = model_shape(GPT2Config(n_layer=48, n_embd=1600, n_head=25))
 
@@ -84,7 +84,7 @@ def test_a_distillation_run_plans_its_teacher():
 def test_frozen_embeddings_leave_the_optimiser_and_gradients_only_what_training_updates(family):
     from families import tiny_family
 
-    from lnfree.train import freeze_token_embedding
+    from lnfree.removal.train import freeze_token_embedding
 
     model = tiny_family(family)
     shape = model_shape(model.config)

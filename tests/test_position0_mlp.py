@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from lnfree.config import ConfigError, with_overrides
-from lnfree.position0_mlp import MlpOutputs, Position0Mlp, position0_mlp_loss
-from lnfree.tiny import TINY_MODEL_DIR
-from lnfree.train import RunError, run
+from lnfree.removal.config import ConfigError, with_overrides
+from lnfree.removal.losses.position0_mlp import MlpOutputs, Position0Mlp, position0_mlp_loss
+from lnfree.data.tiny import TINY_MODEL_DIR
+from lnfree.removal.train import RunError, run
 
 
 def test_the_loss_is_position0s_mlp_output_over_the_typical_tokens_squared():

@@ -1,4 +1,4 @@
-"""What `auto` precision means on a CPU (`lnfree.precision`), and a bf16-autocast step's loss on a CPU."""
+"""What `auto` precision means on a CPU (`lnfree.removal.precision`), and a bf16-autocast step's loss on a CPU."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import GPT2LMHeadModel
 
-from lnfree import precision, surgery
+from lnfree.removal import precision
+
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import RunConfig, TrainConfig
-from lnfree.distill import teacher_dtype
-from lnfree.objective import TAILS, TERMS, Objective
-from lnfree.preparation import autocast_factory
-from lnfree.tiny import TINY_MODEL_DIR
+from lnfree.removal.config import RunConfig, TrainConfig
+from lnfree.removal.losses.distill import teacher_dtype
+from lnfree.removal.losses.objective import TAILS, TERMS, Objective
+from lnfree.removal.preparation import autocast_factory
+from lnfree.data.tiny import TINY_MODEL_DIR
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from lnfree.config import load_preset
-from lnfree.data import prepare_data
-from lnfree.models import load_base
-from lnfree.realtext import REALTEXT_MODEL_DIR, CorpusError, load_documents, sdist_path, split_documents
-from lnfree.realtext.corpus import SDIST_NAME, split_heldout
-from lnfree.tiny import encode_documents
+from lnfree.removal.config import load_preset
+from lnfree.data.documents import prepare_data
+from lnfree.models.base import load_base
+from lnfree.data.realtext import REALTEXT_MODEL_DIR, CorpusError, load_documents, sdist_path, split_documents
+from lnfree.data.realtext.corpus import SDIST_NAME, split_heldout
+from lnfree.data.tiny import encode_documents
 
 SUMMARY = json.loads((REALTEXT_MODEL_DIR / "training_summary.json").read_text())
 
@@ -24,7 +24,7 @@ def base():
 
 @pytest.fixture(scope="module")
 def documents():
-    sdist_path(download=False)  # fetched at setup (`python -m lnfree.realtext.corpus`), never during tests
+    sdist_path(download=False)  # fetched at setup (`python -m lnfree.data.realtext.corpus`), never during tests
     return load_documents()
 
 
@@ -119,6 +119,6 @@ def test_fetching_the_corpus_as_a_module_prints_no_runpy_warning():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "lnfree.realtext.corpus"],
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "lnfree.data.realtext.corpus"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "RuntimeWarning" not in done.stderr, done.stderr

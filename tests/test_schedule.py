@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lnfree.config import RunConfig, load_preset, preset_names, with_overrides
-from lnfree.schedule import Schedule, ScheduleError, Stage, derive_schedule
-from lnfree.train import resolve_run
+from lnfree.removal.config import RunConfig, load_preset, preset_names, with_overrides
+from lnfree.removal.schedule import Schedule, ScheduleError, Stage, derive_schedule
+from lnfree.removal.train import resolve_run
 
 # Baroni et al. 2025 (arXiv 2507.02559), their released configs: layers, first ln_2 step, ln_f step, released step, peak LR, min LR, warm-up, aux weight.
 PUBLISHED = {
@@ -41,7 +41,7 @@ def test_large_and_xl_stop_mid_cosine():
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
 def test_a_gpt2_preset_resolves_to_a_run_that_fixes_every_norm_once_and_in_time(name):
-    from lnfree.plan import config_of
+    from lnfree.removal.plan import config_of
 
     assert name in preset_names()
     config = load_preset(name)

@@ -29,7 +29,7 @@ def test_original_loads_exactly_by_name():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import lnfree
-    from lnfree.models import resolve_model_source
+    from lnfree.models.base import resolve_model_source
 
     folder = resolve_model_source("smollm2-135m")
     ids = prompt(AutoTokenizer.from_pretrained(folder))

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.fixedscale.functional import real_norm
 from lnfree.fixedscale.norms import FixedScaleNorm
 from lnfree.fixedscale.state import ScaleState
-from lnfree.config import with_overrides
-from lnfree.distill import kl_to_teacher
-from lnfree.export import ExportError, export_run, to_eps_trick
-from lnfree.load import load
-from lnfree.schedule import Adaptive, Event, Schedule, Stage, ScheduleError
-from lnfree.timeline import Timeline
-from lnfree.train import run
+from lnfree.removal.config import with_overrides
+from lnfree.removal.losses.distill import kl_to_teacher
+from lnfree.forms.export import ExportError, export_run, to_eps_trick
+from lnfree.forms.load import load
+from lnfree.removal.schedule import Adaptive, Event, Schedule, Stage, ScheduleError
+from lnfree.removal.timeline import Timeline
+from lnfree.removal.train import run
 
 # ----------------------------------------------------------------------------- distillation
 
@@ -41,7 +41,7 @@ def test_kl_is_computed_in_chunks_without_changing_it(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     student, teacher = torch.randn(3, 7, 13, generator=gen), torch.randn(3, 7, 13, generator=gen)
     whole = kl_to_teacher(student, teacher)
-    monkeypatch.setattr("lnfree.distill.KL_CHUNK_TOKENS", 4)  # 21 tokens in 6 chunks
+    monkeypatch.setattr("lnfree.removal.losses.distill.KL_CHUNK_TOKENS", 4)  # 21 tokens in 6 chunks
     torch.testing.assert_close(kl_to_teacher(student, teacher), whole, rtol=1e-6, atol=1e-7)
 
 
@@ -262,7 +262,7 @@ def test_distillation_with_the_student_equal_to_the_teacher_starts_at_zero_kl(ru
 
 
 def test_teacher_is_frozen_and_not_trained(run_config):
-    from lnfree.distill import load_teacher
+    from lnfree.removal.losses.distill import load_teacher
 
     config = run_config()
     teacher = load_teacher(config.model, torch.device("cpu"))
@@ -272,8 +272,8 @@ def test_teacher_is_frozen_and_not_trained(run_config):
 
 @pytest.mark.parametrize("name, n_layer", [("tiny-distill", 4), ("realtext-distill", 4), ("gpt2-distill", 12)])
 def test_strategy_presets_distil_and_otherwise_follow_their_base_preset(name, n_layer):
-    from lnfree.config import load_preset
-    from lnfree.train import resolve_run
+    from lnfree.removal.config import load_preset
+    from lnfree.removal.train import resolve_run
 
     config, events = resolve_run(load_preset(name), n_layer)
     base, _ = resolve_run(load_preset(name.removesuffix("-distill")), n_layer)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lnfree.tiny import (
+from lnfree.data.tiny import (
     FINETUNE_SEED,
     HELDOUT_SEED,
     NAMES,
@@ -92,7 +92,7 @@ def test_generator_is_deterministic_and_seed_dependent():
 
 def test_generator_independent_of_hash_seed():
     code = (
-        "import hashlib; from lnfree.tiny.corpus import generate_documents; "
+        "import hashlib; from lnfree.data.tiny.corpus import generate_documents; "
         "print(hashlib.sha256('\\n'.join(generate_documents(40, 3)).encode()).hexdigest())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -8,9 +8,9 @@ import torch
 from transformers import GPT2LMHeadModel
 from typer.testing import CliRunner
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.cli import app
-from lnfree.export import load_checkpoint
+from lnfree.forms.export import load_checkpoint
 
 MAX_CE_GAP = 0.15  # nats: LN-free held-out CE may exceed the original's by at most this
 

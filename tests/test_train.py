@@ -10,15 +10,16 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from lnfree import surgery
-from lnfree.config import TrainConfig, with_overrides
-from lnfree.data import DataError
-from lnfree.derived import STALE_MARKER
-from lnfree.export import load_checkpoint
-from lnfree.load import load
-from lnfree.models import ModelError
-from lnfree import objective as objective_module
-from lnfree.train import RunError, TrainingDiverged, latest_checkpoint, micro_batches, run
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import TrainConfig, with_overrides
+from lnfree.data.documents import DataError
+from lnfree.removal.derived import STALE_MARKER
+from lnfree.forms.export import load_checkpoint
+from lnfree.forms.load import load
+from lnfree.models.base import ModelError
+from lnfree.removal.losses import objective as objective_module
+from lnfree.removal.layout import latest_checkpoint
+from lnfree.removal.train import RunError, TrainingDiverged, micro_batches, run
 
 
 def records(path, after_resume=False):
@@ -123,7 +124,7 @@ def test_refuses_tokenizer_that_does_not_fit_the_model(model_dir, tmp_path):
     model.save_pretrained(tmp_path / "small-vocab")
     shutil.copy(model_dir / "tokenizer.json", tmp_path / "small-vocab")
     shutil.copy(model_dir / "tokenizer_config.json", tmp_path / "small-vocab")
-    from lnfree.models import load_base
+    from lnfree.models.base import load_base
 
     with pytest.raises(ModelError, match="tokens but the model's vocabulary is 10"):
         load_base(str(tmp_path / "small-vocab"))

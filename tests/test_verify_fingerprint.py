@@ -9,9 +9,9 @@ from conftest import small_gpt2
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from lnfree import surgery
-from lnfree.export import RECORD, write_export
-from lnfree.verify import verify
+from lnfree.fixedscale import surgery
+from lnfree.forms.export import RECORD, write_export
+from lnfree.forms.verify import verify
 
 
 def export(model_dir, out):

@@ -1,5 +1,5 @@
 """`train.chunked_vocab_loss`: CE and the distillation KL chunk by chunk from the hidden states and the
-head (`lnfree.vocab_loss`), the plain loss's value and gradients, wired into `Objective`."""
+head (`lnfree.removal.losses.vocab_loss`), the plain loss's value and gradients, wired into `Objective`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import small_gpt2
 from families import tiny_family
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import TrainConfig, with_overrides
-from lnfree.distill import kl_to_teacher
-from lnfree.objective import TAILS, TERMS, Objective
-from lnfree.train import run
-from lnfree.vocab_loss import IGNORE, HeadInput, vocab_loss
+from lnfree.removal.config import TrainConfig, with_overrides
+from lnfree.removal.losses.distill import kl_to_teacher
+from lnfree.removal.losses.objective import TAILS, TERMS, Objective
+from lnfree.removal.train import run
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
 
 
 def problem(dtype=torch.float32, seed=0, tokens=(3, 7), hidden=16, vocab=50):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import pytest
 
-from lnfree import wheels
-from lnfree.models import HUB_IDS, MODEL_NAMES, ModelError, resolve_model_source
-from lnfree.wheels import WheelModel, WheelModelError
+from lnfree.models import wheels
+from lnfree.models.base import HUB_IDS, MODEL_NAMES, ModelError, resolve_model_source
+from lnfree.models.wheels import WheelModel, WheelModelError
 
 
 def fake_parts(tmp_path, monkeypatch, chunks: list[bytes]) -> list[tuple[str, str]]:

@@ -6,7 +6,7 @@
 Position 0 (BOS, the attention sink) keeps its own σ at every norm until the `pos0_special` stage
 fades it geometrically into the general σ. From the checkpoint, each row fades it at one kind of
 norm only (or at all of them) to `fraction` and measures the held-out CE and the most extreme
-token scales at the norm inputs (`lnfree.massive.massive_scales`), with no scale ceiling. It says
+token scales at the norm inputs (`lnfree.removal.losses.massive.massive_scales`), with no scale ceiling. It says
 which kind's fade lets the tokens run away, and how far into the fade. Two more rows scale
 position 0's attention values (the sink's value vectors, at every block; families with a separate
 V projection) by 0.5 and 0, every σ as it is: how much the other tokens read from the sink. A
@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from post_mlp_runaway import checkpoint_parser, held_out, write_results  # noqa: E402
 
-from lnfree import surgery  # noqa: E402
+from lnfree.fixedscale import surgery  # noqa: E402
 from lnfree.arch import architecture  # noqa: E402
-from lnfree.massive import massive_scales  # noqa: E402
+from lnfree.removal.losses.massive import massive_scales  # noqa: E402
 
 KINDS = ("every norm", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "ln_2", "post_mlp", "ln_f")
 OUTPUT_SIDE = ("post_attn", "post_mlp", "ln_f")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from post_mlp_runaway import checkpoint_parser, held_out, write_results  # noqa: E402
 
-from lnfree import surgery  # noqa: E402
+from lnfree.fixedscale import surgery  # noqa: E402
 from lnfree.arch import architecture  # noqa: E402
 
 

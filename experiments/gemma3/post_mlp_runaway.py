@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
-from lnfree.data import bos_token, prepare_data
-from lnfree.export import load_checkpoint
+from lnfree.fixedscale import surgery
+from lnfree.data.documents import bos_token, prepare_data
+from lnfree.forms.export import load_checkpoint
 
 
 def measure(model, tokens: torch.Tensor, tokenizer) -> dict:

@@ -12,7 +12,7 @@
 #
 # Every step resumes: a finished run is left alone, an interrupted one continues from its latest checkpoint
 # (run the same command again, in this or a later session), and a finished one whose config's train.max_steps
-# has since grown continues to the new end (lnfree.amend). Runs (weights) go to runs/gemma3-270m/ (not
+# has since grown continues to the new end (lnfree.removal.amend). Runs (weights) go to runs/gemma3-270m/ (not
 # committed); tables, figures and summaries to runs/gemma3-270m/results/<stage>/ (--results:
 # experiments/results/gemma3-270m/<stage>/), and summary.json there is written by
 # experiments/smollm2/summary.py from the runs' own outputs.

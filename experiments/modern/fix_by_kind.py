@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import DataConfig
-from lnfree.data import bos_token, prepare_data
-from lnfree.models import load_base
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import bos_token, prepare_data
+from lnfree.models.base import load_base
 
 INPUT_SIDE = ("ln_1qk", "ln_1v", "ln_2", "q_norm", "k_norm")
 OUTPUT_SIDE = ("post_attn", "post_mlp")

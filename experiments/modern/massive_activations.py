@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import DataConfig
-from lnfree.data import bos_token, prepare_data
-from lnfree.massive import NormInputs
-from lnfree.models import load_base
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import bos_token, prepare_data
+from lnfree.removal.losses.massive import NormInputs
+from lnfree.models.base import load_base
 
 CENSUS_SEQUENCES = 320
 

@@ -1,5 +1,5 @@
 """Position 0's and the most extreme other token's scale at the norm inputs, and the held-out CE, over a
-removal run, from the run's own log (every evaluation logs them, `lnfree.massive.massive_scales`).
+removal run, from the run's own log (every evaluation logs them, `lnfree.removal.losses.massive.massive_scales`).
 
     python experiments/modern/scales_over_training.py RUN_OR_LOG --out DIR [--title "Gemma 3 270M"]
 
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lnfree.layout import LOG
+from lnfree.removal.layout import LOG
 
 
 def scales_over_training(log: Path) -> list[dict]:

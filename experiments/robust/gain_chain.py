@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lnfree.arch import architecture
-from lnfree.data import bos_token
+from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
 from lnfree.evaluate.datasets import load_sequences, resolve_dataset
 

@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
                  "repeated_probes", "vocab_overflow", "vocab_covered", "vocab_size", "max_growth_vs_first",

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
-from lnfree.config import DataConfig
-from lnfree.data import prepare_data
-from lnfree.models import load_base
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import prepare_data
+from lnfree.models.base import load_base
 
 
 def main() -> None:

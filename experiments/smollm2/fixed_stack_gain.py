@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 import lnfree
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import DataConfig
-from lnfree.data import prepare_data
-from lnfree.models import load_base
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import prepare_data
+from lnfree.models.base import load_base
 
 DELTA = 0.05
 EXTRA = [12, 10, 8, 6, 4]  # fix the ln_2 of blocks down to these, without training

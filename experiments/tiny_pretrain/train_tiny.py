@@ -2,7 +2,7 @@
 
     python experiments/tiny_pretrain/train_tiny.py --out lnfree/assets/tiny-gpt2
 
-Deterministic given the seeds (corpus streams from ``lnfree.tiny`` + ``--seed`` for torch), CPU
+Deterministic given the seeds (corpus streams from ``lnfree.data.tiny`` + ``--seed`` for torch), CPU
 only, two threads. Writes ``model.safetensors``, ``config.json``, ``generation_config.json``, the
 tokenizer files and ``training_summary.json`` into ``--out``.
 """
@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lnfree.tiny import (
+from lnfree.data.tiny import (
     FINETUNE_SEED,
     HELDOUT_SEED,
     PRETRAIN_SEED,
@@ -187,7 +187,7 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     summary = {
-        "description": "Tiny GPT-2 pre-trained on lnfree.tiny.corpus synthetic stories",
+        "description": "Tiny GPT-2 pre-trained on lnfree.data.tiny.corpus synthetic stories",
         "steps": args.steps,
         "batch_size": args.batch_size,
         "context": CONTEXT,

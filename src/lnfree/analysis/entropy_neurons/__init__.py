@@ -1,0 +1,1 @@
+"""Entropy neurons: candidates, ablations, tables and figures (`run` ties them together)."""

@@ -1,0 +1,1 @@
+"""Activation patching on IOI: the methods, their agreement and the output (`run` ties them together)."""

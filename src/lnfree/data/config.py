@@ -1,0 +1,27 @@
+"""The `[data]` table of a run's config: where the fine-tuning tokens come from (`lnfree.removal.config`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataConfig(BaseModel):
+    """Where the fine-tuning tokens come from and how held-out data is made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field("tiny", description="'tiny', 'realtext', a Hub dataset id, or a local file/folder")
+    document_separator: str | None = Field(
+        None, description="split a single .txt file into documents at this exact text (e.g. '\\n\\n'); default: one document"
+    )
+    revision: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    val_fraction: float = Field(0.0005, gt=0, lt=1, description="held-out share of documents (nanoGPT split)")
+    val_seed: int = 2357
+    context_length: int | None = Field(None, ge=2, description="default: the model's n_positions")
+    max_documents: int | None = Field(None, ge=2, description="cap on documents read (quick runs)")
+    eval_sequences: int = Field(64, ge=1, description="held-out sequences used for CE")
+    min_held_out_tokens: int = Field(4096, ge=0, description="warn when the held-out CE scores fewer tokens")
+    num_proc: int = Field(1, ge=1, description="tokenising processes (capped by the available cores)")
+    cache_dir: str | None = Field(None, description="default: ~/.cache/lnfree/data")

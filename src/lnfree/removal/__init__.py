@@ -1,0 +1,1 @@
+"""The removal stage: a run's configuration, schedule, training loop and run folder."""

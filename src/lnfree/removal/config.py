@@ -1,0 +1,262 @@
+"""Typed run configuration, presets shipped as TOML files, and dotted CLI overrides."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lnfree.errors import LnfreeError
+from lnfree.fixedscale.ceiling import ScaleCeiling
+from lnfree.removal.losses.coverage import Coverage
+from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
+from lnfree.removal.losses.neuron_range import NeuronRange
+from lnfree.removal.losses.position0_mlp import Position0Mlp
+from lnfree.removal.schedule import Adaptive, Schedule
+from lnfree.data.config import DataConfig  # the `[data]` table; its home is the data stage
+
+
+class ConfigError(LnfreeError, ValueError):
+    """A run config that cannot be read or does not validate (a one-line message)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+#: The losses whose setting is a function of the step: one setting with its `start`, or a list of
+#: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range")
+
+
+class TrainConfig(_Strict):
+    """Optimisation: AdamW, linear warm-up then cosine decay to a minimum learning rate."""
+
+    max_steps: int | None = Field(None, ge=1, description="default: 3 × the schedule's last event")
+    learning_rate: float = Field(6e-4, gt=0)
+    min_learning_rate: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(25, ge=0)
+    cosine_steps: int | None = Field(None, ge=1, description="length of the cosine; default max_steps")
+    tokens_per_step: int = Field(524_288, ge=1, description="reached by gradient accumulation")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per device per forward; default: the largest that divides the step, "
+        "up to max_micro_batch_size"
+    )
+    max_micro_batch_size: int = Field(8, ge=1, description="upper bound of the automatic micro-batch (memory)")
+    weight_decay: float = 0.01
+    freeze_embeddings: bool = Field(
+        False, description="train everything but the token embedding (and a head tied to it): a large-vocabulary "
+        "model's embedding is most of its parameters and of the optimiser's work"
+    )
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    skip_grad_norm: float | None = Field(
+        None, gt=0, description="skip the optimiser step (and log it) when the gradient norm before clipping exceeds "
+        "this: a spike from one runaway token then moves no weight; costs one host sync per step; None: never"
+    )
+    aux_loss_weight: float = Field(0.1, ge=0)
+    scale_loss_weight: float = Field(
+        0.0, ge=0, description="auxiliary loss on every norm input: mean over norms of mean over tokens of "
+        "(per-token scale / typical scale − 1)², typical = the mean over tokens neither at position 0 nor EOT; 0 is off"
+    )
+    scale_loss_form: Literal["relative", "log"] = Field(
+        "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
+    )
+    scale_tail: ScaleTail | list[ScaleTail] | None = Field(
+        None, description="a hinge on the tokens above ratio × the typical scale at every norm input (lnfree.removal.losses.massive)"
+    )
+    position0_tail: Position0Tail | list[Position0Tail] | None = Field(
+        None, description="the same hinge on position 0 alone: pulls a massive first token in before its own σ "
+        "(removal.special_pos0) is faded out"
+    )
+    position0_mlp: Position0Mlp | list[Position0Mlp] | None = Field(
+        None, description="pull what position 0's own MLPs write towards zero, so that its σ can fade at the "
+        "MLP-input norms without its MLPs running away (lnfree.removal.losses.position0_mlp)"
+    )
+    neuron_range: NeuronRange | list[NeuronRange] | None = Field(
+        None, description="a hinge on every MLP neuron's activation above ratio × its largest in the original "
+        "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.neuron_range)"
+    )
+    coverage: Coverage | None = Field(
+        None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
+        "teacher and within the text's typical scale at every norm input (lnfree.removal.losses.coverage); None is off"
+    )
+    distill_alpha: float = Field(
+        0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
+        "student) per token; 0 is off"
+    )
+    distill_temperature: float = Field(1.0, gt=0, description="softmax temperature T of the distillation term")
+    teacher_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="the frozen teacher's weights (auto: bf16 on a bf16-capable GPU, else fp32)"
+    )
+    chunked_vocab_loss: int | None = Field(
+        None, ge=1, description="tokens per chunk of a fused CE + distillation KL computed straight from the final "
+        "hidden states and the head, its gradient taken in the same pass (lnfree.removal.losses.vocab_loss): no logits tensor of "
+        "the whole micro-batch, the same loss; None: the plain loss on the model's logits"
+    )
+    sigma_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum per `sigma_momentum_sequences`")
+    sigma_momentum_sequences: int = Field(32, ge=1)
+    sigma_init_batches: int = Field(8, ge=1, description="micro-batches in the initial σ measurement")
+    dropout: float | None = Field(
+        0.0, ge=0, le=1, description="every dropout probability during fine-tuning; None keeps the model's own "
+        "(P25 kept GPT-2's 0.1, as the GPT-2 presets do)"
+    )
+    seed: int = 0
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    auto_cpu_bf16: bool = Field(
+        False, description="let mixed_precision and teacher_dtype 'auto' choose bf16 on a CPU with native bf16 "
+        "(avx512_bf16 or AMX, lnfree.removal.precision) too; off until bf16 is shown to remove as well as fp32"
+    )
+    gradient_checkpointing: bool = False
+    compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
+    steady_allocator: bool = Field(
+        True, description="on a CPU, keep freed memory in glibc's heap instead of returning it to the kernel "
+        "(lnfree.removal.runtime): large-vocabulary steps stop page-faulting their logits in again"
+    )
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int | None = Field(
+        None, ge=1, description="keep only the newest N complete checkpoints (a big model's are GBs each); None: all"
+    )
+    eval_every: int = Field(0, ge=0, description="held-out CE every N steps (0: start and end only)")
+    log_every: int = Field(10, ge=1)
+    report_to: list[Literal["wandb", "tensorboard"]] = []
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> TrainConfig:
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError("min_learning_rate must not exceed learning_rate")
+        for name in STEP_LOSSES:
+            check_pieces(getattr(self, name), name)
+        if self.neuron_range is not None and self.distill_alpha == 0:
+            raise ValueError("train.neuron_range measures each neuron's range on the distillation teacher: set "
+                             "train.distill_alpha > 0")
+        return self
+
+
+class RemovalConfig(_Strict):
+    """What to remove and when. `vanilla` runs the control: the same training, nothing removed."""
+
+    mode: Literal["remove", "vanilla"] = "remove"
+    schedule: Schedule | None = Field(None, description="default: derived from the model's depth")
+    special_pos0: bool = False
+    special_eot: bool = False
+    blend_steps: int = Field(
+        0, ge=0, description="gradual removal: steps over which each norm moves from its real per-token scale to "
+        "its frozen σ (0 or 1: an instant switch)"
+    )
+    adaptive: Adaptive | None = Field(None, description="time removals by the training loss instead of fixed gaps")
+    massive_neurons: MassiveNeurons | None = Field(
+        None, description="first damp out the MLP neurons that write massive activations (lnfree.removal.losses.massive)"
+    )
+    scale_ceiling: ScaleCeiling | None = Field(
+        None, description="while training, no token leaves a fixed norm above ratio × σ (lnfree.fixedscale.ceiling)"
+    )
+
+
+class RunConfig(_Strict):
+    """Everything one removal (or control) run needs."""
+
+    description: str = ""
+    model: str = Field("tiny", description="'tiny', a local directory or a Hub id")
+    output_dir: str = "runs/tiny"
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    removal: RemovalConfig = RemovalConfig()
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped with lnfree."""
+    folder = resources.files("lnfree") / "presets"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def _problem(error: dict) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "config"
+    got = error.get("input")
+    shown = "" if isinstance(got, (dict, list)) or error["type"] == "missing" else f" (got {got!r})"
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}{shown}"
+
+
+def validate_config(data: dict, where: str = "config") -> RunConfig:
+    """`RunConfig` from plain data; a `ConfigError` naming every bad field in one line."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(_problem(e) for e in err.errors(include_url=False))
+        raise ConfigError(f"invalid {where}: {problems}") from None
+
+
+def load_preset(name: str) -> RunConfig:
+    """The shipped preset `name` (e.g. 'gpt2', 'gpt2-xl', 'tiny')."""
+    path = resources.files("lnfree") / "presets" / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
+    return validate_config(tomllib.loads(path.read_text()), f"preset {name!r}")
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """A run config from a TOML or JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except ValueError as err:  # JSONDecodeError and TOMLDecodeError
+        raise ConfigError(f"cannot parse {path}: {err}") from None
+    return validate_config(data, str(path))
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def with_overrides(config: RunConfig, overrides: dict[str, Any] | list[str]) -> RunConfig:
+    """A copy of `config` with dotted-path overrides, e.g. ``["train.max_steps=50"]``.
+
+    Values are parsed as JSON when possible (numbers, booleans, null, lists), else kept as text.
+    Unknown keys are an error.
+    """
+    if isinstance(overrides, list):
+        pairs = {}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            pairs[key.strip()] = _parse_value(raw)
+        overrides = pairs
+    data = config.model_dump()
+    for key, value in overrides.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(_unknown_key(key, data))
+            node = node[part]
+        if leaf not in node:
+            raise ConfigError(_unknown_key(key, data))
+        node[leaf] = value
+    return validate_config(data)
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in data.items():
+        keys.append(prefix + name)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown_key(key: str, data: dict) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, _dotted_keys(data), n=1, cutoff=0.6)
+    return f"unknown config key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")

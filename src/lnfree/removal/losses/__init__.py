@@ -1,0 +1,1 @@
+"""The removal's losses: the objective and each auxiliary term it adds."""

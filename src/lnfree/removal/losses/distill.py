@@ -1,0 +1,58 @@
+"""Distillation to the original model: a frozen teacher and the per-token KL term of the loss.
+
+The teacher is the run's starting checkpoint with every norm real, loaded afresh (so a resumed
+run rebuilds the same teacher), in eval mode and without gradients. It runs under the same
+autocast as the student on the same micro-batch. Memory: the teacher adds one copy of the weights
+(in bf16 where `auto` means bf16, `lnfree.removal.precision`: 3.1 GB for GPT-2 XL) and one logits tensor per
+micro-batch; the KL is computed in chunks of tokens so that its fp32 temporaries stay small (with
+`train.chunked_vocab_loss`, `lnfree.removal.losses.vocab_loss`, no full logits tensor at all). Under DDP every process
+holds a full teacher; under FSDP too (it is not sharded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lnfree.models.base import load_base
+from lnfree.removal.precision import auto_bf16
+
+#: Tokens per chunk of the KL computation (bounds its fp32 temporaries to chunk × vocabulary).
+KL_CHUNK_TOKENS = 2048
+
+
+def resolve_teacher_dtype(choice: str, bf16_capable: bool) -> torch.dtype:
+    """The teacher's weight dtype for `train.teacher_dtype` = `choice`: `auto` is bf16 where the
+    device computes in bf16 (`bf16_capable`: `lnfree.removal.precision.auto_bf16`), fp32 elsewhere."""
+    if choice == "auto":
+        return torch.bfloat16 if bf16_capable else torch.float32
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def teacher_dtype(choice: str, device: torch.device, cpu_bf16: bool = False) -> torch.dtype:
+    """`resolve_teacher_dtype` on `device` (bf16-capable: `lnfree.removal.precision.auto_bf16`, `cpu_bf16` its
+    CPU opt-in `train.auto_cpu_bf16`)."""
+    return resolve_teacher_dtype(choice, auto_bf16(device, cpu_bf16))
+
+
+def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto", cpu_bf16: bool = False) -> nn.Module:
+    """The frozen original model `model` (every norm real) on `device`, for distillation (`teacher_dtype`)."""
+    teacher, _ = load_base(model)
+    teacher.eval().requires_grad_(False)
+    return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device, cpu_bf16))
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over tokens of T²·KL(softmax(teacher/T) ‖ softmax(student/T)), in fp32.
+
+    The T² factor keeps the gradient's scale independent of the temperature (Hinton et al. 2015).
+    """
+    student = student_logits.reshape(-1, student_logits.shape[-1])
+    teacher = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
+    total = student.new_zeros((), dtype=torch.float32)
+    for s, t in zip(student.split(KL_CHUNK_TOKENS), teacher.split(KL_CHUNK_TOKENS)):
+        log_q = F.log_softmax(s.float() / temperature, dim=-1)
+        log_p = F.log_softmax(t.float() / temperature, dim=-1)
+        total = total + F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+    return total * temperature**2 / student.shape[0]

@@ -1,0 +1,227 @@
+"""The loss a run trains on, one micro-batch at a time.
+
+    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
+           + w_mlp0(step)·mlp0 + w_range(step)·range
+
+CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
+aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
+scale and tail do the same at every norm input (`lnfree.removal.losses.massive`: the spread of all tokens, and
+the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
+alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
+(`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
+its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`). With `train.coverage` (`lnfree.removal.losses.coverage`) each
+micro-step also runs generated rows of random and repeated ids on their own (`Objective.coverage`):
+cov_kl (KL to the teacher there) and cov_tail (the hinge against the text's typical scales). Every weight comes from `TrainConfig` (the
+step-dependent ones from the setting on at that step, `lnfree.removal.losses.massive.tail_at`); a term whose
+weight is 0 is not computed, and one that is not configured is not logged. With
+`train.chunked_vocab_loss` CE and KL come from `lnfree.removal.losses.vocab_loss` (chunked, fused, the same value):
+neither model then computes its logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lnfree.fixedscale import surgery
+from lnfree.removal.config import TrainConfig
+from lnfree.removal.losses.coverage import coverage_hinge, typical_log_scales
+from lnfree.removal.losses.distill import kl_to_teacher
+from lnfree.fixedscale.functional import second_moment
+from lnfree.removal.losses.massive import (
+    NormInputs,
+    pieces,
+    position0_log_gain,
+    scale_loss,
+    scale_tail_loss,
+    tail_at,
+    typical_scale,
+    weighted_inputs,
+)
+from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
+from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
+
+#: The loss and its terms, in the order `Objective.__call__` returns them.
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "cov_kl", "cov_tail", "cov_share")
+#: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
+TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range"}
+
+
+class LnfInput:
+    """Keeps the input of the final norm from the latest forward pass (a registered forward pre-hook)."""
+
+    def __init__(self, ln_f: nn.Module):
+        self.value: torch.Tensor | None = None
+        self.handle = ln_f.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module: nn.Module, args: tuple) -> None:
+        self.value = args[0]
+
+
+def auxiliary_loss(
+    resid: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int, eps: float, kind: str = "layer",
+) -> torch.Tensor:
+    """Mean squared deviation of the per-token scale at the final-norm input from its typical value.
+
+    The scale is the norm's own: std for LayerNorm (`kind="layer"`), RMS for RMSNorm.
+
+    The target is the detached mean std over tokens that are neither at position 0 nor EOT
+    (Baroni et al. 2025, arXiv 2507.02559); the loss covers every token, pulling the outliers towards the target.
+    """
+    std = torch.sqrt(second_moment(resid.float(), kind) + eps)
+    return ((std - typical_scale(std, input_ids, eot_token_id)) ** 2).mean()
+
+
+class Objective:
+    """A run's loss on `model` (the unwrapped module: its hooks see every forward of a DDP/FSDP
+    wrapper too). `remove()` takes the hooks away when training ends."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, arch, teacher: nn.Module | None, eot_token_id: int,
+                 autocast: Callable):
+        self.train, self.teacher, self.eot_token_id, self.autocast = train, teacher, eot_token_id, autocast
+        self.eps, self.norm_kind = arch.eps, arch.norm_kind
+        self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
+        chunked = train.chunked_vocab_loss is not None
+        self.head = HeadInput(model, arch) if chunked else None  # the student's final hidden states
+        self.teacher_head = HeadInput(teacher, arch) if chunked and teacher is not None else None
+        wanted = (train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
+                  or train.coverage is not None)
+        self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
+        self.norm_inputs = NormInputs(model) if wanted else None
+        blocks = [p.from_block for p in pieces(train.position0_mlp)]
+        self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
+        self.neuron_activations = NeuronActivations(model) if train.neuron_range is not None else None
+        self.neuron_ranges: list[torch.Tensor] | None = None  # set by the run from the teacher (`neuron_ranges`)
+        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations)
+                         if hooks is not None]
+        for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
+            hooks.active = False
+
+    def tails_at(self, step: int) -> tuple:
+        """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""
+        return tuple(tail_at(getattr(self.train, field), step) for field in TAILS.values())
+
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor, tails: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
+        distributed wrapper of the module the hooks sit on)."""
+        train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
+        tail, tail0, mlp0, bounds = tails
+        with contextlib.ExitStack() as stack:
+            for hooks in self.captured:
+                stack.enter_context(hooks.capturing())
+            output = self._forward(model, ids, labels=True)
+        alpha = train.distill_alpha
+        vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
+        aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
+        spread, excess, excess0 = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
+        if self.norm_inputs is not None:
+            inputs = self.norm_inputs.take()
+            if train.coverage is not None:
+                self.typical = typical_log_scales(inputs, ids, eot, kind)
+            if train.scale_loss_weight > 0:
+                spread = scale_loss(inputs, ids, eot, kind, train.scale_loss_form)
+            if tail is not None and tail.measure == "output":
+                weighted = weighted_inputs(inputs, self.norm_inputs.sources, kind)
+                excess = scale_tail_loss(weighted, ids, eot, "rms", tail.ratio)
+            elif tail is not None:
+                excess = scale_tail_loss(inputs, ids, eot, kind, tail.ratio)
+            if tail0 is not None:
+                gains = ([position0_log_gain(m) for m in self.norm_inputs.sources] if tail0.measure == "output"
+                         else None)
+                excess0 = scale_tail_loss(inputs, ids, eot, kind, tail0.ratio, position0=True, gains=gains)
+        silence = torch.zeros_like(ce)
+        if self.mlp_outputs is not None:
+            outputs = self.mlp_outputs.take()
+            if mlp0 is not None:
+                first = self.mlp_outputs.first_block
+                silence = position0_mlp_loss(outputs[mlp0.from_block - first:], ids, eot)
+        beyond = torch.zeros_like(ce)
+        if self.neuron_activations is not None:
+            activations = self.neuron_activations.take()
+            if bounds is not None:
+                beyond = neuron_range_loss(activations, self.neuron_ranges, bounds.ratio)
+        weights = [0.0 if t is None else t.weight for t in tails]
+        loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
+                + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond)
+        zero = torch.zeros_like(ce)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero)
+        return loss, torch.stack([t.detach() for t in terms])
+
+    def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss, the `TERMS`) of the generated rows `input_ids` (`lnfree.removal.losses.coverage`), after a text
+        micro-batch: KL to the teacher and the hinge against that text's typical scales, no CE; the
+        norms' σ statistics paused."""
+        cov = self.train.coverage
+        bare = self.norm_inputs.model
+        with surgery.statistics_paused(bare), self.norm_inputs.capturing():
+            output = self._forward(model, input_ids, labels=False)
+        hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio)
+        vocab, _, kl = self._vocab_terms(output, input_ids, 0.0, cov.kl_weight, labels=False)
+        loss = vocab + cov.weight * hinge
+        terms = [torch.zeros_like(hinge)] * len(TERMS)
+        terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
+        return loss, torch.stack([t.detach() for t in terms])
+
+    def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool):
+        """The student's forward on `ids` under autocast (no KV cache to build): transformers' CE when
+        `labels`; no logits where the vocabulary loss is chunked (`self.head` keeps the hidden states)."""
+        with self.autocast(), self.head.skipping(model) if self.head is not None else contextlib.nullcontext():
+            if labels and self.head is None:
+                return model(input_ids=ids, labels=ids, use_cache=False)
+            return model(input_ids=ids, use_cache=False)
+
+    def _vocab_terms(self, output, ids: torch.Tensor, ce_weight: float, kl_weight: float,
+                     labels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ce_weight·CE + kl_weight·KL, CE, KL) of the student's `output` on `ids`: CE when `labels`, KL
+        to the teacher when there is one and `kl_weight` > 0; a term that is off is zero."""
+        zero = torch.zeros((), device=ids.device)
+        teaching = self.teacher is not None and kl_weight > 0
+        if self.head is not None:
+            return self._chunked_terms(ids, ce_weight, kl_weight if teaching else 0.0, labels, teaching)
+        ce = output.loss if labels else zero
+        kl = zero
+        if teaching:
+            with torch.no_grad(), self.autocast():
+                target = self.teacher(input_ids=ids, use_cache=False).logits
+            kl = kl_to_teacher(output.logits, target, self.train.distill_temperature)
+        return ce_weight * ce + kl_weight * kl, ce, kl
+
+    def _chunked_terms(self, ids: torch.Tensor, ce_weight: float, kl_weight: float, labels: bool,
+                       teaching: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_vocab_terms` by `lnfree.removal.losses.vocab_loss` from the hidden states `self.head` kept (and the teacher's)."""
+        teacher = None
+        if teaching:
+            with torch.no_grad(), self.autocast(), self.teacher_head.skipping():
+                self.teacher(input_ids=ids, use_cache=False)
+            teacher = (self.teacher_head.value, self.teacher_head.weight)
+        targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE) if labels else None
+        with self.autocast():
+            return vocab_loss(self.head.value, self.head.weight, targets, teacher, ce_weight=ce_weight,
+                              kl_weight=kl_weight, temperature=self.train.distill_temperature,
+                              chunk=self.train.chunked_vocab_loss)
+
+    def record(self, means: list[float]) -> dict:
+        """A log record of `means` (the `TERMS` and the gradient norm), without the terms never computed."""
+        record = dict(zip((*TERMS, "grad_norm"), means))
+        if self.teacher is None:
+            del record["kl"]
+        if self.train.scale_loss_weight == 0:
+            del record["scale"]
+        if self.train.coverage is None:
+            del record["cov_kl"], record["cov_tail"], record["cov_share"]
+        for term, field in TAILS.items():
+            if getattr(self.train, field) is None:
+                del record[term]
+        return record
+
+    def remove(self) -> None:
+        """Take the hooks off the model and drop what they kept."""
+        self.lnf_input.handle.remove()
+        for hooks in self.captured:
+            hooks.remove()
+            hooks.clear()

@@ -1,0 +1,85 @@
+"""The model and optimiser a run trains: the fixed-scale norms installed (a removal run), dropout,
+activation checkpointing and compiled blocks (`prepare_model`, `compile_blocks`), the distillation
+teacher, the mixed-precision autocast (`autocast_factory`), a frozen token embedding
+(`freeze_token_embedding`) and AdamW (`make_optimizer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from lnfree.fixedscale import surgery
+from lnfree.arch import architecture
+from lnfree.removal.config import RunConfig
+from lnfree.removal.losses.distill import load_teacher
+from lnfree.removal.precision import auto_bf16, cpu_has_native_bf16
+
+logger = logging.getLogger("lnfree")
+
+
+def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device) -> nn.Module | None:
+    """Install the fixed-scale norms (a removal run), set dropout, checkpointing and compilation, and
+    move `model` to `device`; return the distillation teacher (None without distillation)."""
+    removal, train = config.removal, config.train
+    if removal.mode == "remove":
+        surgery.install(model, special_pos0=removal.special_pos0, special_eot=removal.special_eot,
+                        eot_token_id=eot_token_id)
+    if train.dropout is not None:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = train.dropout
+    teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16) if train.distill_alpha > 0
+               else None)
+    if train.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device)
+    if train.compile:
+        compile_blocks(model)
+    return teacher
+
+
+def compile_blocks(model: nn.Module, **options) -> None:
+    """`torch.compile` every block of `model` in place (state-dict keys and hooks unchanged); `options`
+    go to `torch.compile`.
+
+    Blocks share graphs: there is one per state of a block's norms (real, fixed, train/eval), not
+    one per block. Each graph is guarded on the norms' Python mirrors, so switching a slot
+    compiles (or reuses) the graph of the new state and never runs a stale one.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for block in model.get_submodule(architecture(model).layers):
+        block.compile(**options)
+
+
+def autocast_factory(config: RunConfig, device: torch.device):
+    """(a function returning the run's autocast context, the precision it resolved to: "bf16",
+    "fp16" or "no"); `train.mixed_precision = "auto"` is bf16 where `lnfree.removal.precision.auto_bf16` says
+    (a GPU that supports it; a CPU with native bf16 under `train.auto_cpu_bf16`), else none."""
+    choice = config.train.mixed_precision
+    if choice == "auto":
+        choice = "bf16" if auto_bf16(device, config.train.auto_cpu_bf16) else "no"
+    elif choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.warning("train.mixed_precision = bf16 on a CPU without native bf16 (avx512_bf16 or AMX): emulated, "
+                       "likely slower than fp32")
+    if choice == "no":
+        return contextlib.nullcontext, "no"
+    dtype = torch.bfloat16 if choice == "bf16" else torch.float16
+    return (lambda: torch.autocast(device.type, dtype=dtype)), choice
+
+
+def freeze_token_embedding(model: nn.Module) -> None:
+    """`train.freeze_embeddings`: no gradient for the token embedding (nor a head tied to it)."""
+    model.get_submodule(architecture(model).token_embedding).weight.requires_grad_(False)
+
+
+def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norm weights or embeddings' biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=config.train.betas)

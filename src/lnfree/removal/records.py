@@ -1,0 +1,161 @@
+"""What a run measures and records: the held-out cross-entropy and massive-activation scales
+(`held_out_ce`, `HeldOut`), the records of its log (`RunLog`: `log.jsonl` and the trackers; removal
+events, evaluations) and the check that stops a diverged run before its state is logged or saved
+(`stop_if_diverged`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+
+from lnfree.errors import LnfreeError
+from lnfree.fixedscale import surgery
+from lnfree.fixedscale.ceiling import set_ceiling, watching
+from lnfree.data.documents import TokenData
+from lnfree.removal.layout import checkpoints
+from lnfree.removal.losses.massive import massive_scales
+from lnfree.removal.schedule import SPECIAL_KINDS, Event
+from lnfree.removal.timeline import Timeline
+
+
+class TrainingDiverged(LnfreeError, ValueError):
+    """The loss or the gradient norm became non-finite; the run stopped without saving that state.
+
+    A ValueError because its cause is the run's configuration (the CLI reports it as one line)."""
+
+
+@torch.no_grad()
+def held_out_ce(model: nn.Module, data: TokenData, n_sequences: int, batch_size: int, autocast) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) on the first `n_sequences` held-out sequences."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    tokens = data.eval_batch(n_sequences)
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for chunk in tokens.split(batch_size):
+        chunk = chunk.to(device)
+        with autocast():
+            logits = model(input_ids=chunk, use_cache=False).logits
+        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum")
+    model.train(was_training)
+    return total / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The run's held-out measurements of `model` (what forward runs: DDP/FSDP-wrapped once prepared)
+    whose module is `bare`."""
+
+    model: nn.Module
+    bare: nn.Module
+    data: TokenData
+    n_sequences: int  # data.eval_sequences
+    batch_size: int
+    autocast: Callable
+    scale_probe: torch.Tensor  # the sequences on which the massive-activation scales are measured
+    device: torch.device
+    tokens: int  # next-token predictions behind each held-out CE
+
+    def ce(self) -> torch.Tensor:
+        """The held-out cross-entropy (`held_out_ce`), on the device."""
+        return held_out_ce(self.model, self.data, self.n_sequences, self.batch_size, self.autocast)
+
+    def scales(self) -> dict[str, float]:
+        """Position 0's and the outlier token's scale at the norm inputs (`lnfree.removal.losses.massive.massive_scales`)."""
+        with self.autocast():
+            return massive_scales(self.bare, self.scale_probe.to(self.device), forward=self.model)
+
+
+def eval_record(held_out: HeldOut, done: int, ceiling_now: float | None) -> dict:
+    """The held-out CE and the massive-activation scales after `done` steps; under a scale ceiling
+    (`ceiling_now` finite) also the number of activations it clipped and the model without it."""
+    bare = held_out.bare
+    guarded = ceiling_now is not None and not math.isinf(ceiling_now)
+    with watching(bare) as ceiling_hits:
+        ce, scale_values = held_out.ce().item(), held_out.scales()
+        hits = ceiling_hits() if guarded else None
+    record = {"event": "eval", "step": done, "held_out_ce": ce, "held_out_tokens": held_out.tokens, **scale_values}
+    if hits:  # what the model is without its guard
+        set_ceiling(bare, math.inf)
+        record.update(held_out_ce_unguarded=held_out.ce().item(),
+                      **{f"{k}_unguarded": v for k, v in held_out.scales().items()})
+        set_ceiling(bare, ceiling_now)
+    elif hits == 0:  # the ceiling never engaged: those passes computed the unguarded model (up to rounding)
+        record.update(held_out_ce_unguarded=ce, **{f"{k}_unguarded": v for k, v in scale_values.items()})
+    if guarded:
+        record["ceiling_hits"] = hits
+    return record
+
+
+def event_record(event: Event, model: nn.Module) -> dict:
+    """The log record of a removal `event` (with the σ it froze, for a norm of the model)."""
+    record = {"event": "remove", "step": event.step, "slot": event.slot}
+    if event.kind not in SPECIAL_KINDS:
+        record["sigma"] = float(surgery.scale_states(model)[event.slot].sigma)  # frozen from this step on
+    return record
+
+
+def stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Path) -> None:
+    """Raise `TrainingDiverged` if a step in `rows` (the steps up to `done`, one row each) was not finite."""
+    finite = torch.isfinite(rows).all(dim=1).tolist()
+    if all(finite):
+        return
+    bad = done - len(rows) + finite.index(False) + 1
+    recent = [f"{e.slot} at step {e.step}" for e in timeline.applied if bad - 10 <= e.step < bad][-5:]
+    saved, _ = checkpoints(out)
+    raise TrainingDiverged(
+        f"training diverged: the loss or gradient norm was not finite at step {bad}"
+        + (f", just after removing {', '.join(recent)}" if recent else "")
+        + f". Nothing after step {bad - 1} was saved; the latest checkpoint is "
+        + (f"{saved[-1].name}." if saved else "none.")
+        + " Common remedies: a lower learning rate, a slower schedule (larger gaps, stage blend_steps, "
+        "a special σ for outlier positions) or distillation (train.distill_alpha)."
+    )
+
+
+class RunLog:
+    """A run's log: records appended to `path` (`log.jsonl`) by the main process and, with
+    `train.report_to`, their numbers sent to the trackers."""
+
+    def __init__(self, path: Path, accelerator: Accelerator, report_to: list[str] | str | None):
+        self.path, self.accelerator, self.report_to = path, accelerator, report_to
+
+    def __call__(self, record: dict) -> None:
+        """Append `record` (main process only)."""
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.report_to:
+                self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                                     step=record.get("step"))
+
+    def truncate(self, step: int) -> None:
+        """Drop the records of work after `step`, which a run resumed there repeats (main process only)."""
+        if self.accelerator.is_main_process:
+            truncate_log(self.path, step)
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the log records of work after `step`, which the resumed run repeats (and a half-written line)."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        # A removal at step s happens before step s trains; loss/eval records carry the steps done.
+        if record.get("step", 0) < step or (record.get("step") == step and record.get("event") != "remove"):
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
