@@ -161,17 +161,22 @@ def _fold_v_ratio(plain: nn.Module, site, split, arch) -> None:
     ratio = split.qk.sigma.double() / split.v.sigma.double()
     for consumer in site.consumers:
         proj = plain.get_submodule(consumer.path)
-        weight = in_out(proj.weight, arch.conv1d)
-        columns = v_mask(consumer.v_columns, weight.shape[1]).to(weight.device)
-        if not columns.any():
-            continue
-        w_v = weight[:, columns].double()
-        shift = (1 - ratio) * (split.bias.double() @ w_v) if split.bias is not None else None
-        weight[:, columns] = (w_v * ratio).to(weight.dtype)
-        if shift is not None:
-            if proj.bias is None:
-                raise ExportError(f"{consumer.path} has no bias to absorb the V-path σ ratio")
-            proj.bias[columns] += shift.to(proj.bias.dtype)
+        scale_v_columns(proj, in_out(proj.weight, arch.conv1d), consumer.v_columns, ratio, split.bias)
+
+
+def scale_v_columns(proj: nn.Module, weight: torch.Tensor, v_columns, ratio, norm_bias: torch.Tensor | None) -> None:
+    """Multiply the V columns of a consumer of a split norm by `ratio` (`weight`: its (in, out) view) and
+    move (1 − ratio)·(norm bias @ W_V) into its bias, in fp64: what an export does with σ_qk/σ_v, so the
+    V path may divide by σ_qk; `lnfree.forms.load` undoes it with 1/ratio."""
+    columns = v_mask(v_columns, weight.shape[1]).to(weight.device)
+    if not columns.any():
+        return
+    w_v = weight[:, columns].double()
+    if norm_bias is not None:
+        if proj.bias is None:
+            raise ExportError("a consumer without a bias cannot absorb the V-path σ ratio")
+        proj.bias[columns] += ((1 - ratio) * (norm_bias.double() @ w_v)).to(proj.bias.dtype)
+    weight[:, columns] = (w_v * ratio).to(weight.dtype)
 
 
 def to_eps_trick(model: nn.Module, *, eps: float = EPS_TRICK_EPS, allow_partial: bool = False) -> nn.Module:

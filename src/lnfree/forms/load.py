@@ -33,7 +33,7 @@ from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps, set_norm_eps, v_mask
 from lnfree.fixedscale.norms import FixedScaleNorm
 from lnfree.fixedscale.state import ScaleState
-from lnfree.forms.export import EPS_TRICK_EPS, RECORD, ExportError, load_checkpoint, to_eps_trick
+from lnfree.forms.export import EPS_TRICK_EPS, RECORD, ExportError, load_checkpoint, scale_v_columns, to_eps_trick
 from lnfree.forms.fold import FoldError, fold
 from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 from lnfree.models.base import EPS_TRICK_THRESHOLD, EPS_TRICK_WEIGHT, load_config, resolve_model_source
@@ -210,26 +210,13 @@ def _from_plain(plain: nn.Module, record: dict | None) -> tuple[nn.Module, bool]
         first.switch_to_fixed()
         if site.split:
             sigma_v = sigmas.get(site.slots[1], sigma)
-            _undo_v_ratio(model, site, norm, sigma / sigma_v)
+            if sigma != sigma_v:  # the export folded σ_qk/σ_v into the V columns: undo it
+                for consumer in site.consumers:
+                    proj = model.get_submodule(consumer.path)
+                    scale_v_columns(proj, proj.matrix(), consumer.v_columns, sigma_v / sigma, norm.bias)
             norm.v.sigma.fill_(sigma_v)
             norm.v.switch_to_fixed()
     return model, bool(sigmas) and bool(fixed)
-
-
-def _undo_v_ratio(model: nn.Module, site, norm, ratio: float) -> None:
-    """The export folded σ_qk/σ_v into the V columns of the consumers: undo it."""
-    if ratio == 1.0:
-        return
-    for consumer in site.consumers:
-        proj = model.get_submodule(consumer.path)
-        weight = proj.matrix()
-        columns = v_mask(consumer.v_columns, weight.shape[1])
-        if not columns.any():
-            continue
-        w_v = weight[:, columns].double() / ratio
-        if norm.bias is not None:
-            proj.bias[columns] = (proj.bias[columns].double() - (1 - ratio) * (norm.bias.double() @ w_v)).float()
-        weight[:, columns] = w_v.to(weight.dtype)
 
 
 def _installed_state(location: Path) -> bool:
