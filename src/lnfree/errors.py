@@ -2,8 +2,9 @@
 
 Each specific error (`ConfigError`, `LoadError`, `ExportError`, …) lives beside the code that raises
 it and subclasses `LnfreeError` and `ValueError` (or `RuntimeError`), so `except ValueError` callers
-keep working. The CLI catches `LnfreeError` and `OSError` (missing or unreadable files), and for now
-`ValueError` too: some messages for users are still raised as plain `ValueError` (e.g. `lnfree.analysis.folder`).
+keep working. The CLI catches `LnfreeError` and `OSError` (missing or unreadable files) only: a plain
+`ValueError` from inside lnfree is a bug and keeps its traceback (pydantic validators still raise
+`ValueError`, which `lnfree.removal.config` turns into a `ConfigError`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from torch import nn
 from lnfree.arch.base import norm_eps
 from lnfree.forms.bridge import as_batch, hook_name, norm_weight
 from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.errors import UsageError
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _output_norm_factor(bridge: Any, layer: int, store: dict[str, torch.Tensor])
         if norm.state.is_fixed and not norm.state.wants_context:
             return weight / norm.state.sigma.to(x.dtype)
         if norm.state.is_fixed or norm.state.is_blending:
-            raise ValueError(f"block {layer}'s attention-output norm has a per-token σ: no per-head split")
+            raise UsageError(f"block {layer}'s attention-output norm has a per-token σ: no per-head split")
         eps = norm.state.eps
     else:
         eps = norm_eps(norm)

@@ -43,6 +43,7 @@ from lnfree.analysis.attribution import (
     ResidualDecomposition, direct_logit_attribution, fixed_final_norm, is_layernorm, residual_decomposition,
 )
 from lnfree.forms.bridge import norm_weight
+from lnfree.errors import UsageError
 
 __all__ = [
     "DlaResult",
@@ -104,7 +105,7 @@ def final_norm(bridge: Any, resid: torch.Tensor) -> torch.Tensor:
             return resid
         return fixed.linear(resid) + (0 if fixed.bias is None else fixed.bias.to(resid.dtype))
     if bridge.cfg.normalization_type not in ("LN", "LNPre", "RMS", "RMSPre"):
-        raise ValueError(f"unsupported final norm {bridge.cfg.normalization_type!r}")
+        raise UsageError(f"unsupported final norm {bridge.cfg.normalization_type!r}")
     centred = resid - resid.mean(-1, keepdim=True) if is_layernorm(bridge) else resid
     normed = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + float(bridge.cfg.eps))
     norm = bridge.ln_final.original_component
@@ -124,7 +125,7 @@ def _check_final_norm(bridge: Any) -> None:
         return
     norm = getattr(bridge.ln_final, "original_component", None)
     if norm is not None and not isinstance(norm, torch.nn.Identity):
-        raise ValueError(
+        raise UsageError(
             f"the bridge's final norm is a real {type(norm).__name__} behind a pass-through slot (a partially "
             "LN-free model): DLA/DE need the final norm fixed (an LN-free model, or one with only the final "
             "norm fixed) or a LayerNorm model"
@@ -220,7 +221,7 @@ def dla_and_direct_effect(bridge: Any, tokens: torch.Tensor, *, batch_size: int 
     _check_final_norm(bridge)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise ValueError(f"tokens must be [n_seq, n_pos] with n_pos >= 2, got {tuple(tokens.shape)}")
+        raise UsageError(f"tokens must be [n_seq, n_pos] with n_pos >= 2, got {tuple(tokens.shape)}")
     dla, de, bias, target_logits = [], [], [], []
     labels: list[str] | None = None
     batch_size = logit_rows(tokens.shape[1], bridge.cfg.d_vocab, batch_size)
@@ -293,7 +294,7 @@ def global_nmae(
     """
     mask = torch.as_tensor(result.mask(kind))
     if not bool(mask.any()):
-        raise ValueError(f"no components of kind {kind!r}")
+        raise UsageError(f"no components of kind {kind!r}")
     dla = result.dla[mask].double()
     de = result.de[mask].double()
     numerators = (dla - de).abs().sum(dim=(0, 2)).numpy()  # per sequence

@@ -36,6 +36,7 @@ from lnfree.analysis.common import AnalysisModel, bridge_of, write_figure
 from lnfree.analysis.palette import model_colours
 from lnfree.evaluate.results import bootstrap_ci, write_summary, write_table
 from lnfree.forms.bridge import LAST_POSITION_LOGITS, hook_name
+from lnfree.errors import UsageError
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -143,10 +144,10 @@ def attention_to_first(bridge: Any, tokens: torch.Tensor, *, batch_size: int = 8
 def _queries(attn0: torch.Tensor, exclude_first_query: bool) -> torch.Tensor:
     attn0 = torch.as_tensor(attn0)
     if attn0.ndim != 4:
-        raise ValueError(f"expected attention to position 0 as [layer, seq, head, query], got {tuple(attn0.shape)}")
+        raise UsageError(f"expected attention to position 0 as [layer, seq, head, query], got {tuple(attn0.shape)}")
     if exclude_first_query:
         if attn0.shape[-1] < 2:
-            raise ValueError("need at least two query positions when excluding query 0")
+            raise UsageError("need at least two query positions when excluding query 0")
         return attn0[..., 1:]
     return attn0
 
@@ -177,7 +178,7 @@ def sink_rate(
                      .double().mean())
     if definition == "per_query":
         return float(per_query_share(attn0, threshold=threshold, exclude_first_query=exclude_first_query).mean())
-    raise ValueError(f"unknown sink definition {definition!r}; known: {SINK_DEFINITIONS}")
+    raise UsageError(f"unknown sink definition {definition!r}; known: {SINK_DEFINITIONS}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from transformers import GPT2Config
 
 from lnfree.arch.base import Architecture, BridgeSpec, Consumer, NormSite, UnsupportedModel
+from lnfree.errors import UsageError
 
 #: The published GPT-2 sizes (the presets' models) as (blocks, width, heads), so plans and schedules of
 #: the presets need neither the weights nor the Hub.
@@ -48,7 +49,7 @@ class GPT2(Architecture):
 
     def check_bridge(self) -> None:
         if not getattr(self.config, "scale_attn_weights", True):
-            raise ValueError(
+            raise UsageError(
                 "config.scale_attn_weights=False is not supported: TransformerLens' GPT-2 bridge always "
                 "scales attention scores by 1/sqrt(d_head)"
             )

@@ -363,7 +363,7 @@ def push(
     try:
         where = run_push(export_dir, repo_id, private=private, revision=revision, dry_run=dry_run,
                          dry_run_dir=dry_run_dir, force=force, eval_reports=eval_report or [])
-    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     typer.echo(f"{'dry run written to' if dry_run else 'pushed:'} {where}")
 
@@ -437,7 +437,7 @@ def eval_(
                 benchmark_limit=hellaswag_limit, threshold=threshold, max_outliers=max_outliers, reference=reference,
                 pairwise=pairwise, seed=seed, n_resamples=bootstrap, bootstrap_block=bootstrap_block,
             )
-    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     write_report(report, out, save_tokens=save_tokens, overwrite=overwrite)
     typer.echo(markdown(report))

@@ -149,7 +149,7 @@ def analyze(
         index = run_analyses(names, sources, out, labels=label_list, data=data, n_sequences=n_sequences,
                              length=length, n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap,
                              batch_size=batch_size, device=device, progress=progress, overwrite=overwrite)  # fmt: skip
-    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
+    except (LnfreeError, OSError) as err:
         fail(str(err))
     from lnfree.evaluate.results import peak_memory_gb
 

@@ -33,10 +33,11 @@ def fail(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors():
-    """Errors a user can cause (`LnfreeError`, the plain `ValueError`s still raised for users; `OSError`: files) as one `error:` line."""
+    """Errors a user can cause (`LnfreeError`; `OSError`: files) as one `error:` line; anything else is a
+    bug in lnfree or below it and keeps its traceback."""
     try:
         yield
-    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
+    except (LnfreeError, OSError) as err:
         fail(str(err))
 
 

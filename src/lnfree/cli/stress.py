@@ -59,7 +59,7 @@ def stress(
                                 repeated=_count(repeated, "--repeated"), vocab=_count(vocab, "--vocab"),
                                 batch_size=batch_size, device=device, dtype=dtype, form=form, seed=seed,
                                 progress=progress)
-    except (LnfreeError, ValueError, OSError) as err:  # ValueError: plain ones not yet LnfreeErrors (issue 39)
+    except (LnfreeError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from lnfree.arch import architecture
 from lnfree.arch.base import column_selector, norm_eps
 from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
 from lnfree.fixedscale.state import ScaleState, TokenContext
+from lnfree.errors import UsageError
 
 class Event(Protocol):
     """What `apply_event` reads of a schedule event (`lnfree.removal.schedule.Event`)."""
@@ -90,7 +91,7 @@ def install(
     """
     arch = architecture(model)
     if is_installed(model):
-        raise ValueError("this model already has lnfree's fixed-scale norms installed")
+        raise UsageError("this model already has lnfree's fixed-scale norms installed")
     for site in arch.sites():
         norm = model.get_submodule(site.module)
         eps = norm_eps(norm)
@@ -125,7 +126,7 @@ def install(
 def scale_states(model: nn.Module) -> dict[str, ScaleState]:
     """All scale states of an installed model, by slot name, in block order."""
     if not is_installed(model):
-        raise ValueError("no lnfree norms in this model; call lnfree.fixedscale.surgery.install first")
+        raise UsageError("no lnfree norms in this model; call lnfree.fixedscale.surgery.install first")
     states = getattr(model, "_lnfree_states", None)
     return dict(states) if states is not None else _find_states(model)
 

@@ -80,6 +80,7 @@ from torch import nn
 from lnfree.arch import Architecture, architecture
 from lnfree.arch.base import norm_eps
 from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.errors import UsageError
 
 __all__ = [
     "HOOK_NAMES",
@@ -128,7 +129,7 @@ def hook_name(kind: str, layer: Optional[int] = None) -> str:
         raise KeyError(f"unknown hook kind {kind!r}; known: {sorted(HOOK_NAMES)}") from None
     if "{layer}" in template:
         if layer is None:
-            raise ValueError(f"hook kind {kind!r} needs a layer index")
+            raise UsageError(f"hook kind {kind!r} needs a layer index")
         return template.format(layer=layer)
     return template
 
@@ -159,7 +160,7 @@ def _attach_tokenizer(bridge: Any, tokenizer: Any) -> None:
 
     tok = copy.deepcopy(tokenizer)  # TL sets pad/bos tokens in place; keep the caller's intact
     if tok.eos_token is None:
-        raise ValueError("the tokenizer needs an eos_token")
+        raise UsageError("the tokenizer needs an eos_token")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.bos_token is None:
@@ -167,7 +168,7 @@ def _attach_tokenizer(bridge: Any, tokenizer: Any) -> None:
     if tok.padding_side is None:
         tok.padding_side = "right"
     if len(tok) > bridge.cfg.d_vocab:
-        raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {bridge.cfg.d_vocab}")
+        raise UsageError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {bridge.cfg.d_vocab}")
     bridge.cfg.tokenizer_prepends_bos, bridge.cfg.tokenizer_appends_eos = detect_tokenizer_bos_eos(tok)
     bridge.tokenizer = tok  # first assignment: only infers d_vocab if unset (it is set)
     driver = getattr(bridge, "_driver", None)
@@ -216,13 +217,13 @@ def bridge_from_folded(model: nn.Module, tokenizer: Any = None, *, private: bool
     _check(model)
     not_free = [name for name, module in _norm_slots(model) if not isinstance(module, nn.Identity)]
     if not_free:
-        raise ValueError(f"model is not LayerNorm-free: {', '.join(not_free)} are not nn.Identity")
+        raise UsageError(f"model is not LayerNorm-free: {', '.join(not_free)} are not nn.Identity")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the unembedding must be an nn.Linear, got {type(head).__name__}")
     d_vocab = head.weight.shape[0]
     if d_vocab != model.config.vocab_size:
-        raise ValueError(f"the unembedding has {d_vocab} outputs, expected {model.config.vocab_size}")
+        raise UsageError(f"the unembedding has {d_vocab} outputs, expected {model.config.vocab_size}")
 
     return _pass_through_bridge(model, tokenizer, private)
 
@@ -284,7 +285,7 @@ def _common_eps(model: nn.Module) -> float:
         except TypeError:
             raise TypeError(f"{name} is a {type(module).__name__}, expected the family's real norm") from None
     if len(eps_values) != 1:
-        raise ValueError(f"the norms use different eps values {sorted(eps_values)}; TransformerLens uses one cfg.eps")
+        raise UsageError(f"the norms use different eps values {sorted(eps_values)}; TransformerLens uses one cfg.eps")
     return eps_values.pop()
 
 
@@ -359,7 +360,7 @@ def as_batch(input_ids: Any, bridge: Any) -> torch.Tensor:
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
     if ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, pos] or [pos], got shape {tuple(ids.shape)}")
+        raise UsageError(f"input_ids must be [batch, pos] or [pos], got shape {tuple(ids.shape)}")
     return ids.to(bridge.cfg.device)
 
 

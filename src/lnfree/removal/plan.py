@@ -35,6 +35,7 @@ from lnfree.removal.config import load_preset
 from lnfree.removal.losses.distill import resolve_teacher_dtype
 from lnfree.fixedscale.state import FOLD_ELEMENTS
 from lnfree.models.base import load_config
+from lnfree.errors import UsageError
 
 GB = 1e9
 #: Share of a GPU's memory a plan may fill: the rest absorbs allocator fragmentation.
@@ -232,7 +233,7 @@ def plan_run(config, shape: ModelShape, context: int, gpus: int, gpu_memory_gb: 
     train = config.train
     per_gpu, rest = divmod(train.tokens_per_step, context * gpus)
     if rest or per_gpu < 1:
-        raise ValueError(f"tokens_per_step {train.tokens_per_step} is not a multiple of {gpus} GPU(s) × {context}")
+        raise UsageError(f"tokens_per_step {train.tokens_per_step} is not a multiple of {gpus} GPU(s) × {context}")
     base = Setup(context=context, micro_batch=1, autocast=autocast, gpus=gpus, sharded=sharded,
                  dropout=bool(train.dropout), freeze_embeddings=train.freeze_embeddings)
     return choose(shape, per_gpu, gpu_memory_gb, base, run_teacher(config, shape, gpu=True))

@@ -273,11 +273,11 @@ def run(
 def _check_models(models: list[AnalysisModel], reference: str | None) -> tuple[list[str], str]:
     """The models' labels, and the reference model's label (default: the first model's)."""
     if not models:
-        raise ValueError("no models given")
+        raise UsageError("no models given")
     labels = [m.label for m in models]
     reference = labels[0] if reference is None else reference
     if reference not in labels:
-        raise ValueError(f"reference {reference!r} is not one of {labels}")
+        raise UsageError(f"reference {reference!r} is not one of {labels}")
     return labels, reference
 
 
@@ -285,7 +285,7 @@ def _common_shape(models: list[AnalysisModel]) -> tuple[int, int, int]:
     """The models' common shape ``(n_layers, d_model, d_mlp)``; an error if they differ."""
     shapes = {_shape(m) for m in models}
     if len(shapes) != 1:
-        raise ValueError(f"models differ in shape (n_layers, d_model, d_mlp): {sorted(shapes)}")
+        raise UsageError(f"models differ in shape (n_layers, d_model, d_mlp): {sorted(shapes)}")
     return shapes.pop()
 
 
@@ -305,7 +305,7 @@ def _check_tokens(tokens: torch.Tensor) -> torch.Tensor:
     """``tokens`` as a long tensor ``[batch, pos]`` with at least 2 positions."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise ValueError(f"tokens must be [batch, pos] with pos >= 2, got {tuple(tokens.shape)}")
+        raise UsageError(f"tokens must be [batch, pos] with pos >= 2, got {tuple(tokens.shape)}")
     return tokens
 
 
@@ -330,7 +330,7 @@ def _selected_neurons(
         selection += f" of {reference}"
     for lay, neu in selected:
         if not (0 <= lay < n_layers and 0 <= neu < d_mlp):
-            raise ValueError(f"no neuron {neuron_label((lay, neu))} in a {n_layers}-layer model with d_mlp={d_mlp}")
+            raise UsageError(f"no neuron {neuron_label((lay, neu))} in a {n_layers}-layer model with d_mlp={d_mlp}")
     return selected, selection
 
 

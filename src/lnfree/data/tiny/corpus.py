@@ -38,6 +38,7 @@ from lnfree.data.tiny.words import (
     OBJECT_VERBS, INTRANSITIVE_VERBS, SAY_VERBS, SOCIAL_VERBS, HAVE, FEEL, SPAN_POOL, PUNCT, VOWELS, NAMES,
     OBJECTS, PLACES,
 )
+from lnfree.errors import UsageError
 
 __all__ = [
     "generate_documents",
@@ -424,6 +425,6 @@ def generate_documents(n_documents: int, seed: int) -> list[str]:
     for a smaller ``n_documents`` is a prefix of the result for a larger one.
     """
     if n_documents < 0:
-        raise ValueError("n_documents must be >= 0")
+        raise UsageError("n_documents must be >= 0")
     rng = random.Random(seed)
     return [generate_document(rng) for _ in range(n_documents)]

@@ -35,6 +35,7 @@ from lnfree.arch import architecture
 from lnfree.arch.base import in_out
 from lnfree.fixedscale.functional import second_moment
 from lnfree.fixedscale.norms import SplitNorm
+from lnfree.errors import UsageError
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"
@@ -229,7 +230,7 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
         row = embedding.weight[int(first[0])]
         row_scale = embedding(first[:1]).norm() / row.norm()  # Gemma scales its embeddings by √hidden
     else:
-        raise ValueError(f"{arch.family} has no position embeddings: every sequence must start with the same token")
+        raise UsageError(f"{arch.family} has no position embeddings: every sequence must start with the same token")
     generator = torch.Generator().manual_seed(seed)
     direction = torch.randn(row.shape[0], generator=generator)
     inputs, output = arch.neurons(layer)

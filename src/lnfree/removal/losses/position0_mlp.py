@@ -22,6 +22,7 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.removal.losses.massive import Captured, typical_scale
+from lnfree.errors import UsageError
 
 
 class Position0Mlp(BaseModel):
@@ -42,7 +43,7 @@ class MlpOutputs(Captured):
     def __init__(self, model: nn.Module, from_blocks: list[int]):
         arch = architecture(model)
         if max(from_blocks) >= arch.n_layers:
-            raise ValueError(f"position0_mlp.from_block is {max(from_blocks)}, but the model has {arch.n_layers} blocks")
+            raise UsageError(f"position0_mlp.from_block is {max(from_blocks)}, but the model has {arch.n_layers} blocks")
         self.first_block = from_block = min(from_blocks)
         super().__init__([model.get_submodule(arch.block(i, arch.mlp_out)) for i in range(from_block, arch.n_layers)])
         self.handles = [module.register_forward_hook(self.keep_output) for module in self.modules]

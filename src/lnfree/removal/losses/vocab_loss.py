@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+from lnfree.errors import UsageError
+
 #: The label of a position without a next token (transformers' and PyTorch's ignore index).
 IGNORE = -100
 
@@ -40,9 +42,9 @@ class HeadInput:
     def __init__(self, model: nn.Module, arch):
         self.head = model.get_submodule(arch.unembedding)
         if getattr(self.head, "bias", None) is not None:
-            raise ValueError("train.chunked_vocab_loss: this model's head has a bias, which the chunked loss omits")
+            raise UsageError("train.chunked_vocab_loss: this model's head has a bias, which the chunked loss omits")
         if getattr(model.config, "final_logit_softcapping", None) is not None:
-            raise ValueError("train.chunked_vocab_loss: this model caps its logits (final_logit_softcapping), which "
+            raise UsageError("train.chunked_vocab_loss: this model caps its logits (final_logit_softcapping), which "
                              "the chunked loss omits")
         self.value: torch.Tensor | None = None
 
@@ -60,7 +62,7 @@ class HeadInput:
         """Within: the head keeps its input and computes no logits; `wrapper`: what the forward calls (refused
         when it shards the weights)."""
         if isinstance(wrapper, (FullyShardedDataParallel, FSDPModule)):
-            raise ValueError("train.chunked_vocab_loss does not run under FSDP (the head's weight is sharded outside "
+            raise UsageError("train.chunked_vocab_loss does not run under FSDP (the head's weight is sharded outside "
                              "the forward); turn it off")
         self.head.forward = self._keep
         try:
