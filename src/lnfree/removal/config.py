@@ -79,7 +79,7 @@ class TrainConfig(_Strict):
     )
     neuron_range: NeuronRange | list[NeuronRange] | None = Field(
         None, description="a hinge on every MLP neuron's activation above ratio × its largest in the original "
-        "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.neuron_range)"
+        "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.removal.losses.neuron_range)"
     )
     coverage: Coverage | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
