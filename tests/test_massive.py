@@ -253,7 +253,7 @@ def test_measured_at_the_output_the_tail_sees_a_token_along_the_norms_large_weig
     weighted = weighted_inputs([x], [norm], "rms")
     loss = scale_tail_loss(weighted, ids, 0, "rms", ratio=3.0)
     excess = math.log(30) * 3 / 4 - math.log(3)  # 30× against a geometric mean of 30^(1/4)
-    assert float(loss) == pytest.approx(excess**2, rel=1e-4)
+    assert float(loss.detach()) == pytest.approx(excess**2, rel=1e-4)
     loss.backward()
     assert norm.weight.grad[0] > 0  # descent shrinks the large weight (and the token, not shown)
     centred = weighted_inputs([x + 7.0], [norm], "layer")[0]  # LayerNorm: a shift changes nothing
