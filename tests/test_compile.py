@@ -24,8 +24,8 @@ def train_forward(model, ids):
     return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_compiled_blocks_follow_every_switch_like_eager(family):
+def eager_and_compiled(family: str):
+    """(an installed tiny model with σ measured, its copy with every block compiled, the ids), counters cleared."""
     torch.manual_seed(0)
     eager = surgery.install(tiny_family(family)).train()
     ids = torch.randint(0, 64, (2, 9))
@@ -34,6 +34,12 @@ def test_compiled_blocks_follow_every_switch_like_eager(family):
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, backend="aot_eager")
+    return eager, compiled, ids
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_compiled_blocks_follow_every_switch_like_eager(family):
+    eager, compiled, ids = eager_and_compiled(family)
     states = [surgery.scale_states(m) for m in (eager, compiled)]
     # all real, then one slot at a time in schedule order (the first block's, then the rest)
     switches = [None, "blocks.0.ln_2", "blocks.0.ln_1qk", "blocks.0.ln_1v", "blocks.1.ln_2", "blocks.1.ln_1qk",
@@ -83,14 +89,7 @@ def test_captured_tensors_match_eager_and_every_block_shares_one_graph():
     from lnfree.removal.losses.massive import NormInputs
     from lnfree.removal.losses.position0_mlp import MlpOutputs
 
-    torch.manual_seed(0)
-    eager = surgery.install(tiny_family("llama")).train()
-    ids = torch.randint(0, 64, (2, 9))
-    surgery.initialise_sigmas(eager, [ids])
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_blocks(compiled, backend="aot_eager")
+    eager, compiled, ids = eager_and_compiled("llama")
     captures = {m: (NormInputs(m), MlpOutputs(m, [0])) for m in (eager, compiled)}
     taken = {}
     for step in range(3):
