@@ -5,8 +5,10 @@ Runs `lnfree remove` itself (a subprocess per run, the same kind of process ever
 config (default: `experiments/robust/gemma3.toml`, Gemma 3 270M distilled from its teacher, with
 vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
-`train.chunked_vocab_loss` and `train.freeze_embeddings` explicitly:
-- fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen;
+`train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
+- fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, AdamW's per-parameter loop
+  (the step before issue 38, the baseline of every ratio);
+- … + fused AdamW: torch's fused AdamW (`train.fused_optimizer`, lnfree's default since);
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
@@ -42,15 +44,20 @@ from lnfree.removal.config import with_overrides
 from lnfree.removal.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
-FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None}
-BF16 = {"train.mixed_precision": "bf16", "train.teacher_dtype": "bf16", "train.chunked_vocab_loss": None}
+FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None,
+        "train.fused_optimizer": False}
+BF16 = {**FP32, "train.mixed_precision": "bf16", "train.teacher_dtype": "bf16"}
 CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by --chunk
+FUSED = {"train.fused_optimizer": True}
 VARIANTS = {
     "fp32": {**FP32, "train.freeze_embeddings": True},
+    "fp32 + fused AdamW": {**FP32, **FUSED, "train.freeze_embeddings": True},
     "bf16": {**BF16, "train.freeze_embeddings": True},
+    "bf16 + fused AdamW": {**BF16, **FUSED, "train.freeze_embeddings": True},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
     "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
+    "bf16 + fused AdamW (embedding trained)": {**BF16, **FUSED, "train.freeze_embeddings": False},
     "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
 }
 BASELINE = "fp32"

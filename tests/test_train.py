@@ -226,6 +226,34 @@ def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
     assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
 
 
+def test_adamw_is_fused_by_default_and_a_resumed_run_keeps_the_implementation_it_started_with(run_config, tmp_path):
+    def fused(run_dir, step):
+        state = torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "optimizer.bin", weights_only=False)
+        return {group["fused"] for group in state["param_groups"]}
+
+    config = with_overrides(run_config(max_steps=6, save_every=3, eval_every=0), {"removal.mode": "vanilla"})
+    assert TrainConfig().fused_optimizer
+    default = run(config, progress=False)
+    assert fused(default.output_dir, 3) == {True}
+    loop_config = with_overrides(config, {"train.fused_optimizer": False, "output_dir": str(tmp_path / "loop")})
+    loop = run(loop_config, progress=False)
+    assert fused(loop.output_dir, 3) == {None}
+    # the same maths: the two implementations round differently, nothing more
+    a, b = records(default.output_dir / "log.jsonl"), records(loop.output_dir / "log.jsonl")
+    assert [a[s]["loss"] for s in sorted(a)] == pytest.approx([b[s]["loss"] for s in sorted(b)], rel=1e-4)
+
+    moved = tmp_path / "moved"
+    shutil.copytree(loop.output_dir, moved)
+    shutil.rmtree(moved / "checkpoints" / "step_000006")
+    stored = json.loads((moved / "run_config.json").read_text())
+    del stored["train"]["fused_optimizer"]  # as a run folder written before the setting existed
+    (moved / "run_config.json").write_text(json.dumps(stored))
+    run(with_overrides(config, {"output_dir": str(moved)}), resume=True, progress=False)  # config: fused
+    assert fused(moved, 6) == {None}
+    continued = records(moved / "log.jsonl", after_resume=True)
+    assert [continued[s]["loss"] for s in (4, 5, 6)] == [b[s]["loss"] for s in (4, 5, 6)]
+
+
 def test_steps_whose_gradient_norm_exceeds_the_limit_move_no_weight_and_are_logged(run_config, tmp_path):
     from transformers import GPT2LMHeadModel
 

@@ -77,9 +77,11 @@ def freeze_token_embedding(model: nn.Module) -> None:
 
 
 def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, norm weights or embeddings' biases)."""
+    """AdamW with weight decay on matrices only (not on biases, norm weights or embeddings' biases), fused
+    under `train.fused_optimizer`."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=config.train.betas)
+    return torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=config.train.betas,
+                             fused=config.train.fused_optimizer or None)
