@@ -6,24 +6,27 @@ config (default: `experiments/robust/gemma3.toml`, Gemma 3 270M distilled from i
 vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 `train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
-- fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, AdamW's per-parameter loop
-  (the step before issue 38, the baseline of every ratio);
-- … + fused AdamW: torch's fused AdamW (`train.fused_optimizer`, lnfree's default since);
+- fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, fused AdamW (the baseline of
+  every ratio unless `--before`);
+- …, loop AdamW: torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
-- … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too).
+- … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too);
+- fp32 / bf16 (lnfree before), with `--before DIR`: fp32 and bf16 run by an lnfree checkout from before
+  issue 38's step changes (fused AdamW, CE and KL from one log-softmax); fp32 (lnfree before), the step
+  as it was, is then the baseline.
 
 Each round runs every variant once, the order rotated from round to round. Per run: the median over
 the steps after `--warmup` of each step's process CPU time (the log's `cpu_seconds`: every thread,
 other jobs on the machine not counted) and wall time (`seconds`). The script prints tokens per
 CPU-hour and per wall hour per variant (median over rounds) and, per round, each variant's
-throughput over fp32's in that round, and writes them to
+throughput over the baseline's in that round, and writes them to
 `benchmarks/results/cpu_throughput_<model>.json` / `.txt`. bf16 needs a CPU with native bf16
 (avx512_bf16 or AMX, `lnfree.removal.precision`) to be fast; the result records whether this one has it.
 
     python benchmarks/cpu_throughput.py [--config FILE] [--steps 10] [--warmup 2] [--rounds 2] [--chunk 1024]
-        [--variants "fp32,bf16"] [--threads N]
+        [--variants "fp32,bf16"] [--threads N] [--before DIR]
 """
 
 from __future__ import annotations
@@ -45,21 +48,24 @@ from lnfree.removal.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None,
-        "train.fused_optimizer": False}
+        "train.fused_optimizer": True}
 BF16 = {**FP32, "train.mixed_precision": "bf16", "train.teacher_dtype": "bf16"}
 CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by --chunk
-FUSED = {"train.fused_optimizer": True}
+LOOP = {"train.fused_optimizer": False}
 VARIANTS = {
     "fp32": {**FP32, "train.freeze_embeddings": True},
-    "fp32 + fused AdamW": {**FP32, **FUSED, "train.freeze_embeddings": True},
+    "fp32, loop AdamW": {**FP32, **LOOP, "train.freeze_embeddings": True},
     "bf16": {**BF16, "train.freeze_embeddings": True},
-    "bf16 + fused AdamW": {**BF16, **FUSED, "train.freeze_embeddings": True},
+    "bf16, loop AdamW": {**BF16, **LOOP, "train.freeze_embeddings": True},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
     "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
-    "bf16 + fused AdamW (embedding trained)": {**BF16, **FUSED, "train.freeze_embeddings": False},
+    "bf16 (embedding trained)": {**BF16, "train.freeze_embeddings": False},
     "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
 }
+#: With `--before DIR`: the same settings run by the lnfree checkout in DIR (its `src/`), which knows no
+#: `train.fused_optimizer` (its AdamW is the per-parameter loop) and computes CE and KL apart.
+BEFORE = {"fp32 (lnfree before)": "fp32", "bf16 (lnfree before)": "bf16"}
 BASELINE = "fp32"
 
 
@@ -76,15 +82,21 @@ def step_times(log: Path, warmup: int, field: str) -> list[float]:
     return [times[b] - times[a] for a, b in zip(steps, steps[1:]) if a >= warmup]
 
 
-def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | None) -> dict:
-    """Run `config` once with `overrides`; its median step CPU and wall times and tokens per hour of each."""
+def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | None,
+            code: Path | None = None) -> dict:
+    """Run `config` once with `overrides` (by the lnfree checkout `code`, default this one); its median
+    step CPU and wall times and tokens per hour of each."""
     out = workdir / "run"
     config = with_overrides(config, {**overrides, "output_dir": str(out)})
     path = workdir / "config.json"
-    path.write_text(config.model_dump_json())
+    data = json.loads(config.model_dump_json())
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    if code is not None:
+        data["train"].pop("fused_optimizer")  # a setting the earlier code does not know
+        env["PYTHONPATH"] = str(code / "src")
+    path.write_text(json.dumps(data))
     subprocess.run([sys.executable, "-m", "lnfree", "remove", "--config", str(path), "--overwrite", "--no-control"],
-                   check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+                   check=True, env=env, cwd=code or ROOT, stdout=subprocess.DEVNULL)
     log = out / "log.jsonl"
     cpu, wall = step_times(log, warmup, "cpu_seconds"), step_times(log, warmup, "seconds")
     start = json.loads(log.read_text().splitlines()[0])
@@ -99,14 +111,14 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
             "tokens_per_hour": tokens / statistics.median(wall) * 3600}
 
 
-def summarise(runs: dict[str, list[dict]]) -> dict:
+def summarise(runs: dict[str, list[dict]], baseline: str) -> dict:
     """Per variant: the medians over rounds, and each round's throughput over the baseline's in that round."""
     medians = ("tokens_per_cpu_hour", "tokens_per_hour", "median_step_cpu_seconds", "median_step_seconds")
     return {name: {
         **{key: statistics.median(r[key] for r in rs) for key in medians},
         "cpu_ratio_per_round": [r["tokens_per_cpu_hour"] / b["tokens_per_cpu_hour"]
-                                for r, b in zip(rs, runs[BASELINE])],
-        "wall_ratio_per_round": [r["tokens_per_hour"] / b["tokens_per_hour"] for r, b in zip(rs, runs[BASELINE])],
+                                for r, b in zip(rs, runs[baseline])],
+        "wall_ratio_per_round": [r["tokens_per_hour"] / b["tokens_per_hour"] for r, b in zip(rs, runs[baseline])],
     } for name, rs in runs.items()}
 
 
@@ -117,7 +129,8 @@ def table(result: dict) -> list[str]:
              f"after {a['warmup']}), {a['rounds']} rounds, chunks of {a['chunk']} tokens, "
              f"OMP_NUM_THREADS={result['threads']}, native bf16: {result['native_bf16']}", "",
              "| variant | tokens / CPU-hour | tokens / hour | CPU s / step | s / step | "
-             "CPU throughput / fp32, per round | wall throughput / fp32, per round | first steps, s (CPU s) |",
+             f"CPU throughput / {result['baseline']}, per round | wall throughput / {result['baseline']}, per round | "
+             "first steps, s (CPU s) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         cpu = ", ".join(f"{r:.3f}" for r in s["cpu_ratio_per_round"])
@@ -138,11 +151,15 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: inherited)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_throughput_<model>")
+    parser.add_argument("--before", type=Path, default=None,
+                        help=f"an lnfree checkout from before issue 38's changes: adds {', '.join(BEFORE)}, the baseline")
     args = parser.parse_args()
+    known = {**VARIANTS, **(BEFORE if args.before else {})}
     names = [n.strip() for n in args.variants.split(",")]
-    if unknown := [n for n in names if n not in VARIANTS]:
-        parser.error(f"unknown variant(s) {unknown}; choose from: {', '.join(VARIANTS)}")
-    names = [BASELINE] + [n for n in names if n != BASELINE]  # ratios need the baseline in every round
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"unknown variant(s) {unknown}; choose from: {', '.join(known)}")
+    baseline = next(iter(BEFORE)) if args.before else BASELINE
+    names = [baseline] + [n for n in names if n != baseline]  # ratios need the baseline in every round
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
     runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -151,14 +168,16 @@ def main() -> None:
         for round_ in range(args.rounds):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
-                overrides = {k: args.chunk if v == "chunk" else v for k, v in VARIANTS[name].items()}
-                runs[name].append(one_run(config, overrides, Path(tmp), args.warmup, args.threads))
+                settings = VARIANTS[BEFORE.get(name, name)]
+                overrides = {k: args.chunk if v == "chunk" else v for k, v in settings.items()}
+                code = args.before if name in BEFORE else None
+                runs[name].append(one_run(config, overrides, Path(tmp), args.warmup, args.threads, code))
                 row = runs[name][-1]
                 print(f"round {round_ + 1} {name}: {row['median_step_cpu_seconds']:.2f} CPU s/step, "
                       f"{row['median_step_seconds']:.2f} s/step", flush=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "model": config.model, "torch": torch.__version__,
               "tokens_per_step": config.train.tokens_per_step, "native_bf16": cpu_has_native_bf16(),
-              "threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "summary": summarise(runs), "runs": runs}
+              "threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "baseline": baseline, "summary": summarise(runs, baseline), "runs": runs}
     out = args.out or ROOT / "benchmarks" / "results" / f"cpu_throughput_{config.model.replace('/', '_')}"
     (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1))
     lines = table(result)

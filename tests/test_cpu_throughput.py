@@ -30,3 +30,19 @@ def test_cpu_throughput_runs_its_variants_against_fp32_round_by_round(tmp_path):
     for summary in results["summary"].values():
         assert all(math.isfinite(summary[k]) and summary[k] > 0 for k in ("tokens_per_cpu_hour", "tokens_per_hour"))
     assert "tokens / CPU-hour" in (tmp_path / "cpu_throughput.txt").read_text()
+
+
+def test_with_before_the_earlier_checkout_runs_the_baseline(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny-distill").model_dump_json())
+    out = tmp_path / "cpu_throughput"
+    # this checkout stands in for an earlier one: it runs the config without train.fused_optimizer
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_throughput.py"), "--config", str(config),
+                    "--steps", "3", "--warmup", "1", "--rounds", "1", "--threads", "1", "--variants", "bf16",
+                    "--before", str(ROOT), "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads((tmp_path / "cpu_throughput.json").read_text())
+    assert results["baseline"] == "fp32 (lnfree before)"
+    assert list(results["runs"]) == ["fp32 (lnfree before)", "bf16"]
+    assert results["summary"]["fp32 (lnfree before)"]["cpu_ratio_per_round"] == [1.0]
+    assert "train.fused_optimizer" in results["runs"]["bf16"][0]["settings"]
+    assert "CPU throughput / fp32 (lnfree before)" in (tmp_path / "cpu_throughput.txt").read_text()

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -43,6 +44,36 @@ def test_kl_is_computed_in_chunks_without_changing_it(monkeypatch):
     whole = kl_to_teacher(student, teacher)
     monkeypatch.setattr("lnfree.removal.losses.distill.KL_CHUNK_TOKENS", 4)  # 21 tokens in 6 chunks
     torch.testing.assert_close(kl_to_teacher(student, teacher), whole, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ce_and_kl_together_are_transformers_ce_and_the_kl_with_their_gradients(monkeypatch, temperature, dtype):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lnfree.removal.losses.distill import IGNORE, ce_and_kl_to_teacher
+
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 7, 13, generator=gen) * 3).to(dtype)
+    teacher = (torch.randn(3, 7, 13, generator=gen) * 3).to(dtype)
+    ids = torch.randint(0, 13, (3, 7), generator=gen)
+    monkeypatch.setattr("lnfree.removal.losses.distill.KL_CHUNK_TOKENS", 4)  # 21 tokens in 6 chunks
+
+    def terms(together: bool):
+        student = logits.clone().requires_grad_()
+        if together:
+            ce, kl = ce_and_kl_to_teacher(student, teacher, F.pad(ids[:, 1:], (0, 1), value=IGNORE), temperature)
+        else:
+            ce, kl = ForCausalLMLoss(student, ids, vocab_size=13), kl_to_teacher(student, teacher, temperature)
+        (0.3 * ce + 0.7 * kl).backward()
+        return ce.detach(), kl.detach(), student.grad.float()
+
+    (ce, kl, grad), (ce_hf, kl_alone, grad_apart) = terms(True), terms(False)
+    torch.testing.assert_close(ce, ce_hf, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, kl_alone, rtol=1e-6, atol=1e-6)
+    # apart, each term's fp32 gradient is cast to the logits' dtype before the two are summed there
+    torch.testing.assert_close(grad, grad_apart, **({} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-4}))
+    assert grad.abs().max() > 1e-3
 
 
 # ----------------------------------------------------------------------------- gradual removal

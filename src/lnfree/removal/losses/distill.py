@@ -4,7 +4,7 @@ The teacher is the run's starting checkpoint with every norm real, loaded afresh
 run rebuilds the same teacher), in eval mode and without gradients. It runs under the same
 autocast as the student on the same micro-batch. Memory: the teacher adds one copy of the weights
 (in bf16 where `auto` means bf16, `lnfree.removal.precision`: 3.1 GB for GPT-2 XL) and one logits tensor per
-micro-batch; the KL is computed in chunks of tokens so that its fp32 temporaries stay small (with
+micro-batch; the KL and the CE beside it are computed in chunks of tokens so that their fp32 temporaries stay small (with
 `train.chunked_vocab_loss`, `lnfree.removal.losses.vocab_loss`, no full logits tensor at all). Under DDP every process
 holds a full teacher; under FSDP too (it is not sharded).
 """
@@ -18,7 +18,10 @@ from torch import nn
 from lnfree.models.base import load_base
 from lnfree.removal.precision import auto_bf16
 
-#: Tokens per chunk of the KL computation (bounds its fp32 temporaries to chunk × vocabulary).
+#: The label of a position without a next token (transformers' and PyTorch's ignore index).
+IGNORE = -100
+
+#: Tokens per chunk of the CE and KL computation (bounds their fp32 temporaries to chunk × vocabulary).
 KL_CHUNK_TOKENS = 2048
 
 
@@ -48,11 +51,32 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, te
 
     The T² factor keeps the gradient's scale independent of the temperature (Hinton et al. 2015).
     """
-    student = student_logits.reshape(-1, student_logits.shape[-1])
-    teacher = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
-    total = student.new_zeros((), dtype=torch.float32)
-    for s, t in zip(student.split(KL_CHUNK_TOKENS), teacher.split(KL_CHUNK_TOKENS)):
-        log_q = F.log_softmax(s.float() / temperature, dim=-1)
-        log_p = F.log_softmax(t.float() / temperature, dim=-1)
-        total = total + F.kl_div(log_q, log_p, log_target=True, reduction="sum")
-    return total * temperature**2 / student.shape[0]
+    return ce_and_kl_to_teacher(student_logits, teacher_logits, None, temperature)[1]
+
+
+def ce_and_kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor | None,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE, `kl_to_teacher`) of the student's logits in fp32 chunks of tokens: CE the mean over the
+    positions whose `labels` (each position's next token, `IGNORE` where none) are not `IGNORE`, as
+    transformers computes it (zero without `labels`). At T = 1 one log-softmax of the student serves both
+    terms and its gradients meet in fp32 before the one cast back to the logits' dtype: Gemma 3 270M's
+    262,144-token vocabulary made two log-softmaxes, two upcasts and a division by T about a second of
+    a 7-second CPU step (`benchmarks/cpu_throughput.py`)."""
+    vocab = student_logits.shape[-1]
+    student = student_logits.reshape(-1, vocab)
+    teacher = teacher_logits.detach().reshape(-1, vocab)
+    chunks = [student.split(KL_CHUNK_TOKENS), teacher.split(KL_CHUNK_TOKENS)]
+    if labels is not None:
+        chunks.append(labels.reshape(-1).split(KL_CHUNK_TOKENS))
+    ce_sum = student.new_zeros((), dtype=torch.float32)
+    kl_sum = student.new_zeros((), dtype=torch.float32)
+    for s, t, *y in zip(*chunks):
+        s = s.float()
+        log_q = F.log_softmax(s if temperature == 1 else s / temperature, dim=-1)
+        log_p = F.log_softmax(t.float() if temperature == 1 else t.float() / temperature, dim=-1)
+        kl_sum = kl_sum + F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+        if y:
+            log_probs = log_q if temperature == 1 else F.log_softmax(s, dim=-1)
+            ce_sum = ce_sum + F.nll_loss(log_probs, y[0], ignore_index=IGNORE, reduction="sum")
+    ce = ce_sum / (labels != IGNORE).sum() if labels is not None else ce_sum
+    return ce, kl_sum * temperature**2 / student.shape[0]

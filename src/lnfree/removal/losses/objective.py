@@ -30,7 +30,7 @@ from torch import nn
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import coverage_hinge, typical_log_scales
-from lnfree.removal.losses.distill import kl_to_teacher
+from lnfree.removal.losses.distill import ce_and_kl_to_teacher
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
     NormInputs,
@@ -114,8 +114,8 @@ class Objective:
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
-            output = self._forward(model, ids, labels=True)
-        alpha = train.distill_alpha
+            alpha = train.distill_alpha
+            output = self._forward(model, ids, labels=not self._teaching(alpha))
         vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
         aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
         spread, excess, excess0 = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
@@ -167,6 +167,10 @@ class Objective:
         terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
 
+    def _teaching(self, kl_weight: float) -> bool:
+        """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `ce_and_kl_to_teacher`)."""
+        return self.teacher is not None and kl_weight > 0
+
     def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool):
         """The student's forward on `ids` under autocast (no KV cache to build): transformers' CE when
         `labels`; no logits where the vocabulary loss is chunked (`self.head` keeps the hidden states)."""
@@ -180,15 +184,16 @@ class Objective:
         """(ce_weight·CE + kl_weight·KL, CE, KL) of the student's `output` on `ids`: CE when `labels`, KL
         to the teacher when there is one and `kl_weight` > 0; a term that is off is zero."""
         zero = torch.zeros((), device=ids.device)
-        teaching = self.teacher is not None and kl_weight > 0
+        teaching = self._teaching(kl_weight)
         if self.head is not None:
             return self._chunked_terms(ids, ce_weight, kl_weight if teaching else 0.0, labels, teaching)
-        ce = output.loss if labels else zero
-        kl = zero
-        if teaching:
-            with torch.no_grad(), self.autocast():
-                target = self.teacher(input_ids=ids, use_cache=False).logits
-            kl = kl_to_teacher(output.logits, target, self.train.distill_temperature)
+        if not teaching:
+            ce = output.loss if labels else zero
+            return ce_weight * ce, ce, zero
+        with torch.no_grad(), self.autocast():
+            target = self.teacher(input_ids=ids, use_cache=False).logits
+        targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE) if labels else None
+        ce, kl = ce_and_kl_to_teacher(output.logits, target, targets, self.train.distill_temperature)
         return ce_weight * ce + kl_weight * kl, ce, kl
 
     def _chunked_terms(self, ids: torch.Tensor, ce_weight: float, kl_weight: float, labels: bool,

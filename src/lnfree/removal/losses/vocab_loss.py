@@ -29,9 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from lnfree.errors import UsageError
-
-#: The label of a position without a next token (transformers' and PyTorch's ignore index).
-IGNORE = -100
+from lnfree.removal.losses.distill import IGNORE
 
 
 class HeadInput:
