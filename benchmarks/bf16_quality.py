@@ -9,6 +9,8 @@ within `--tolerance` (0.01 nats, the bar bf16 must clear before it becomes a CPU
 process CPU time of each run from its log. Writes benchmarks/results/bf16_quality.json / .txt.
 
     python benchmarks/bf16_quality.py [--presets tiny-distill,realtext-distill] [--threads N]
+    python benchmarks/bf16_quality.py --presets experiments/robust/gemma3.toml --no-control \
+        --set train.max_steps=100 --set train.eval_every=50 --out benchmarks/results/bf16_quality_gemma3-270m
 """
 
 from __future__ import annotations
@@ -34,21 +36,29 @@ def cpu_seconds(run: Path) -> float:
     return max(r.get("cpu_seconds", 0.0) for r in rows)
 
 
-def one_run(preset: str, precision: str, work: Path, threads: int | None) -> dict:
-    """`lnfree remove --preset PRESET` (with its control) in one precision; its held-out CEs and CPU time."""
-    out = work / f"{preset}-{precision}"
+def one_run(preset: str, precision: str, work: Path, threads: int | None, control: bool = True,
+            settings: tuple[str, ...] = ()) -> dict:
+    """`lnfree remove --preset PRESET` (or `--config` for a file; with its control unless not `control`;
+    `settings` as `--set`) in one precision; its held-out CEs and CPU time."""
+    out = work / f"{Path(preset).stem}-{precision}"
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    command = [sys.executable, "-m", "lnfree", "remove", "--preset", preset, "-o", str(out), "--control",
-               "--overwrite", *PRECISIONS[precision]]
+    source = ["--config", preset] if Path(preset).suffix in (".toml", ".json") else ["--preset", preset]
+    command = [sys.executable, "-m", "lnfree", "remove", *source, "-o", str(out),
+               "--control" if control else "--no-control", "--overwrite", *PRECISIONS[precision],
+               *(arg for setting in settings for arg in ("--set", setting))]
     subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     summary = json.loads((out / "summary.json").read_text())
-    return {"held_out_ce": summary["held_out_ce"], "held_out_tokens": summary["held_out_tokens"],
-            "cpu_seconds": {"ln_free": cpu_seconds(out), "vanilla": cpu_seconds(out / "control")}}
+    cpu = {"ln_free": cpu_seconds(out), **({"vanilla": cpu_seconds(out / "control")} if control else {})}
+    return {"held_out_ce": summary["held_out_ce"], "held_out_tokens": summary["held_out_tokens"], "cpu_seconds": cpu}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny-distill,realtext-distill")
+    parser.add_argument("--presets", default="tiny-distill,realtext-distill",
+                        help="comma-separated presets, or run-config files (.toml/.json)")
+    parser.add_argument("--no-control", dest="control", action="store_false", help="no vanilla control runs")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for every run (repeatable), e.g. train.max_steps=100")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: inherited)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bf16_quality")
@@ -56,14 +66,15 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
-            results[preset] = {p: one_run(preset, p, Path(tmp), args.threads) for p in PRECISIONS}
+            results[preset] = {p: one_run(preset, p, Path(tmp), args.threads, args.control, tuple(args.settings))
+                               for p in PRECISIONS}
             print(f"{preset}: {json.dumps(results[preset])}", flush=True)
     lines = [f"# bf16 autocast vs fp32 on this CPU: held-out CE at the end of the same runs (tolerance "
              f"{args.tolerance} nats)", "",
              "| preset | model | fp32 | bf16 | bf16 − fp32 | within | CPU s fp32 / bf16 |", "|---|---|---|---|---|---|---|"]
     verdicts = {}
     for preset, runs in results.items():
-        for model in ("ln_free", "vanilla"):
+        for model in ("ln_free", "vanilla") if args.control else ("ln_free",):
             a, b = runs["fp32"]["held_out_ce"][model], runs["bf16"]["held_out_ce"][model]
             ok = abs(b - a) <= args.tolerance
             verdicts[f"{preset}/{model}"] = ok

@@ -59,9 +59,9 @@ def ce_and_kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Ten
     """(CE, `kl_to_teacher`) of the student's logits in fp32 chunks of tokens: CE the mean over the
     positions whose `labels` (each position's next token, `IGNORE` where none) are not `IGNORE`, as
     transformers computes it (zero without `labels`). At T = 1 one log-softmax of the student serves both
-    terms and its gradients meet in fp32 before the one cast back to the logits' dtype: Gemma 3 270M's
-    262,144-token vocabulary made two log-softmaxes, two upcasts and a division by T about a second of
-    a 7-second CPU step (`benchmarks/cpu_throughput.py`)."""
+    terms and its gradients meet in fp32 before the one cast back to the logits' dtype (over Gemma 3 270M's
+    262,144-token vocabulary, the second upcast, log-softmax and the division by T were a large part of a
+    CPU step: `benchmarks/cpu_throughput.py --before`)."""
     vocab = student_logits.shape[-1]
     student = student_logits.reshape(-1, vocab)
     teacher = teacher_logits.detach().reshape(-1, vocab)

@@ -111,10 +111,10 @@ class Objective:
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
         tail, tail0, mlp0, bounds = tails
+        alpha = train.distill_alpha
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
-            alpha = train.distill_alpha
             output = self._forward(model, ids, labels=not self._teaching(alpha))
         vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
         aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
