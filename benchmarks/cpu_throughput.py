@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
     """Run `config` once with `overrides` (by the lnfree checkout `code`, default this one); its median
     step CPU and wall times and tokens per hour of each."""
     out = workdir / "run"
+    shutil.rmtree(out, ignore_errors=True)  # an earlier checkout cannot read a later one's run folder
     config = with_overrides(config, {**overrides, "output_dir": str(out)})
     path = workdir / "config.json"
     data = json.loads(config.model_dump_json())
