@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,15 +39,17 @@ def cpu_seconds(run: Path) -> float:
     return max(r.get("cpu_seconds", 0.0) for r in rows)
 
 
-def one_run(preset: str, precision: str, work: Path, threads: int | None, control: bool = True,
+def one_run(preset: str, arm: str, work: Path, threads: int | None, control: bool = True,
             settings: tuple[str, ...] = ()) -> dict:
     """`lnfree remove --preset PRESET` (or `--config` for a file; with its control unless not `control`;
-    `settings` as `--set`) in one precision; its held-out CEs and CPU time."""
-    out = work / f"{Path(preset).stem}-{precision}"
+    `settings` as `--set`, after those of `arm`: a precision of PRECISIONS, or `key=value` settings joined
+    by ';'); its held-out CEs and CPU time."""
+    arm_args = PRECISIONS.get(arm) or [a for s in arm.split(";") for a in ("--set", s)]
+    out = work / re.sub(r"\W+", "_", f"{Path(preset).stem}-{arm}")
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     source = ["--config", preset] if Path(preset).suffix in (".toml", ".json") else ["--preset", preset]
     command = [sys.executable, "-m", "lnfree", "remove", *source, "-o", str(out),
-               "--control" if control else "--no-control", "--overwrite", *PRECISIONS[precision],
+               "--control" if control else "--no-control", "--overwrite", *arm_args,
                *(arg for setting in settings for arg in ("--set", setting))]
     subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     summary = json.loads((out / "summary.json").read_text())

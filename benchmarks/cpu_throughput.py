@@ -7,7 +7,7 @@ vocabulary coverage), cut to `--steps` steps with one early removal (`throughput
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 `train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, fused AdamW (the baseline of
-  every ratio unless `--before`);
+  every ratio unless `--baseline` or `--before`);
 - …, loop AdamW: torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
@@ -26,7 +26,7 @@ throughput over the baseline's in that round, and writes them to
 (avx512_bf16 or AMX, `lnfree.removal.precision`) to be fast; the result records whether this one has it.
 
     python benchmarks/cpu_throughput.py [--config FILE] [--steps 10] [--warmup 2] [--rounds 2] [--chunk 1024]
-        [--variants "fp32,bf16"] [--threads N] [--before DIR]
+        [--variants "fp32,bf16"] [--baseline fp32] [--threads N] [--before DIR]
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: inherited)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_throughput_<model>")
+    parser.add_argument("--baseline", default=BASELINE, help="the variant every ratio is over (default: fp32; with "
+                        "--before: fp32 (lnfree before))")
     parser.add_argument("--before", type=Path, default=None,
                         help=f"an lnfree checkout from before issue 38's changes: adds {', '.join(BEFORE)}, the baseline")
     args = parser.parse_args()
@@ -160,7 +162,9 @@ def main() -> None:
     names = [n.strip() for n in args.variants.split(",")]
     if unknown := [n for n in names if n not in known]:
         parser.error(f"unknown variant(s) {unknown}; choose from: {', '.join(known)}")
-    baseline = next(iter(BEFORE)) if args.before else BASELINE
+    baseline = next(iter(BEFORE)) if args.before and args.baseline == BASELINE else args.baseline
+    if baseline not in known:
+        parser.error(f"unknown baseline {baseline!r}; choose from: {', '.join(known)}")
     names = [baseline] + [n for n in names if n != baseline]  # ratios need the baseline in every round
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")

@@ -1,4 +1,5 @@
-"""Smoke test of the bf16-vs-fp32 quality benchmark (benchmarks/bf16_quality.py) on a run-config file."""
+"""Smoke tests of the same-tokens quality benchmarks (benchmarks/bf16_quality.py, benchmarks/freeze_embeddings.py)
+on run-config files."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def test_a_config_file_runs_in_both_precisions_without_control_in_vanilla_mode(t
     assert all(set(run["cpu_seconds"]) == {"vanilla"} for run in runs.values())  # the run itself, no control
     assert list(results["within"]) == [f"{config}/vanilla"]
     assert runs["fp32"]["held_out_ce"]["vanilla"] > 0
+
+
+def test_freeze_embeddings_benchmark_runs_both_arms_on_a_config_file(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny-distill").model_dump_json())
+    out = tmp_path / "freeze"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "freeze_embeddings.py"), "--config", str(config),
+                    "--set", "removal.mode=vanilla", "--set", "train.max_steps=3", "--set", "train.eval_every=0",
+                    "--threads", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads(out.with_suffix(".json").read_text())
+    frozen, trained = (results["results"][arm]["held_out_ce"]["vanilla"] for arm in ("frozen", "trained"))
+    assert frozen != trained  # the arms differ: the embedding trained in one of them only
+    assert results["frozen_minus_trained"] == frozen - trained

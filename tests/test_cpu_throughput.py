@@ -46,3 +46,17 @@ def test_with_before_the_earlier_checkout_runs_the_baseline(tmp_path):
     assert results["summary"]["fp32 (lnfree before)"]["cpu_ratio_per_round"] == [1.0]
     assert "train.fused_optimizer" in results["runs"]["bf16"][0]["settings"]
     assert "CPU throughput / fp32 (lnfree before)" in (tmp_path / "cpu_throughput.txt").read_text()
+
+
+def test_another_baseline_replaces_fp32(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny").model_dump_json())
+    out = tmp_path / "cpu_throughput"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_throughput.py"), "--config", str(config),
+                    "--steps", "3", "--warmup", "1", "--rounds", "1", "--threads", "1",
+                    "--variants", "bf16 (embedding trained)", "--baseline", "fp32 (embedding trained)",
+                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads((tmp_path / "cpu_throughput.json").read_text())
+    assert list(results["runs"]) == ["fp32 (embedding trained)", "bf16 (embedding trained)"]  # no plain fp32
+    assert results["summary"]["fp32 (embedding trained)"]["cpu_ratio_per_round"] == [1.0]
+    assert "CPU throughput / fp32 (embedding trained)" in (tmp_path / "cpu_throughput.txt").read_text()
