@@ -105,3 +105,18 @@ def test_a_bf16_autocast_step_gives_the_fp32_loss_within_bf16_precision(chunk):
     for name in names:
         i = TERMS.index(name)
         assert bf16[i].item() == pytest.approx(fp32[i].item(), rel=2**-8), name
+
+
+def test_the_modern_presets_and_a_model_without_one_freeze_the_embedding_and_let_auto_choose_bf16_on_a_cpu():
+    from lnfree.cli.common import base_config
+    from lnfree.removal.config import load_preset, preset_names
+
+    modern = {"smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "pythia-160m"}
+    assert modern <= set(preset_names())
+    for name in preset_names():  # the tiny, realtext and GPT-2 presets reproduce bit-for-bit on any CPU
+        train = load_preset(name).train
+        assert train.auto_cpu_bf16 is train.freeze_embeddings is (name in modern), name
+    generic = base_config(None, None, "some-org/a-model-without-a-preset").train
+    assert generic.auto_cpu_bf16 and generic.freeze_embeddings
+    tiny = base_config(None, None, None).train  # the bundled tiny model
+    assert not tiny.auto_cpu_bf16 and not tiny.freeze_embeddings

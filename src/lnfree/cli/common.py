@@ -59,14 +59,17 @@ def base_config(preset: str | None, config_file: Path | None, model: str | None)
             return candidate
     # Any other model: distillation to the original with GPT-2 small's hyperparameters (gpt2-distill);
     # context, schedule and length from the model, the model's own dropout (as P25 kept GPT-2's), a
-    # micro-batch that fits the step.
+    # micro-batch that fits the step, the token embedding frozen and bf16 on a CPU with native bf16 as on a
+    # GPU (as the modern models' presets; the tiny and GPT-2 ones stay fp32 there, so that they reproduce on
+    # every CPU).
     generic = load_preset("gpt2-distill")
     return generic.model_copy(update={
         "data": generic.data.model_copy(update={"context_length": None}),
         "removal": generic.removal.model_copy(update={"schedule": None}),
         "train": generic.train.model_copy(update={
             "max_steps": None, "dropout": None, "micro_batch_size": None,
-            "max_micro_batch_size": generic.train.micro_batch_size,
+            "max_micro_batch_size": generic.train.micro_batch_size, "auto_cpu_bf16": True,
+            "freeze_embeddings": True,
         }),
         "output_dir": f"runs/{Path(model).name}",
     })

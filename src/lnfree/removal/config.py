@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lnfree.errors import LnfreeError
 from lnfree.fixedscale.ceiling import ScaleCeiling
 from lnfree.removal.losses.coverage import Coverage
+from lnfree.removal.losses.margin import StabilityMargin
 from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
 from lnfree.removal.losses.neuron_range import NeuronRange
 from lnfree.removal.losses.position0_mlp import Position0Mlp
@@ -30,7 +31,7 @@ class _Strict(BaseModel):
 
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
-STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range")
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "stability_margin")
 
 
 class TrainConfig(_Strict):
@@ -50,7 +51,9 @@ class TrainConfig(_Strict):
     weight_decay: float = 0.01
     freeze_embeddings: bool = Field(
         False, description="train everything but the token embedding (and a head tied to it): a large-vocabulary "
-        "model's embedding is most of its parameters and of the optimiser's work"
+        "model's embedding is most of its parameters and of the optimiser's work. On in the modern models' presets "
+        "and for a model without a preset (Gemma 3 270M, 100 steps: validation CE 0.026 nats lower frozen than "
+        "trained, at 0.6x the CPU time)"
     )
     betas: tuple[float, float] = (0.9, 0.999)
     fused_optimizer: bool = Field(
@@ -86,6 +89,10 @@ class TrainConfig(_Strict):
         None, description="a hinge on every MLP neuron's activation above ratio × its largest in the original "
         "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.removal.losses.neuron_range)"
     )
+    stability_margin: StabilityMargin | list[StabilityMargin] | None = Field(
+        None, description="in a forward of its own over a few of each micro-batch's sequences, one token's residual "
+        "scaled up at one block and its growth downstream hinged (lnfree.removal.losses.margin); None is off"
+    )
     coverage: Coverage | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
         "teacher and within the text's typical scale at every norm input (lnfree.removal.losses.coverage); None is off"
@@ -114,7 +121,8 @@ class TrainConfig(_Strict):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     auto_cpu_bf16: bool = Field(
         False, description="let mixed_precision and teacher_dtype 'auto' choose bf16 on a CPU with native bf16 "
-        "(avx512_bf16 or AMX, lnfree.removal.precision) too; off until bf16 is shown to remove as well as fp32"
+        "(avx512_bf16 or AMX, lnfree.removal.precision) too: on in the modern models' presets and for a model "
+        "without a preset; off in the tiny and GPT-2 presets, whose runs then reproduce bit-for-bit on any CPU"
     )
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")

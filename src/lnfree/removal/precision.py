@@ -1,10 +1,13 @@
 """What `auto` means for a run's precision (`train.mixed_precision`, `train.teacher_dtype`) on a device.
 
 bf16 where the device computes in it natively: a CUDA GPU that supports it; a CPU with native bf16
-matrix arithmetic (x86's AVX512-BF16 or AMX-BF16) only when the run opts in with
-`train.auto_cpu_bf16` (off by default until bf16 is shown to remove as well as fp32 on a CPU). A CPU
-without them would emulate bf16, slower than fp32, so `auto` stays fp32 there. Master weights, σ
-statistics, the norm maths and the losses stay fp32 either way.
+matrix arithmetic (x86's AVX512-BF16 or AMX-BF16) when the run says so with `train.auto_cpu_bf16`:
+the modern models' presets and the config of a model without a preset do (on this project's CPU a
+Gemma 3 270M removal step takes 5.2 CPU-seconds instead of 9.7, and validation CE after 100 steps
+differed from fp32's by +0.010 and +0.002 nats on two seeds, whose fp32 runs differed by 0.088); the
+tiny and GPT-2 presets do not, so that their runs reproduce on any CPU (the tiny model gains ~1.1×).
+A CPU without native bf16 would emulate it, slower than fp32, so `auto` stays fp32 there. Master
+weights, σ statistics, the norm maths and the losses stay fp32 either way.
 """
 
 from __future__ import annotations

@@ -42,13 +42,14 @@ from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
 from lnfree.removal.losses.coverage import cap_share, coverage_ids, gradients
+from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.removal.launch import make_accelerator, quiet_libraries
 from lnfree.removal.layout import LOG, START, TOKENIZER
 from lnfree.removal.losses.massive import Damping, find_massive_neurons
 from lnfree.models.base import load_base
 from lnfree.removal.losses.neuron_range import neuron_ranges
-from lnfree.removal.losses.objective import TERMS, Objective
+from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
     autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model,
@@ -393,13 +394,20 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
     accelerator, accumulation = s.accelerator, s.batches.accumulation
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     tails = objective.tails_at(step)
+    margin = tails[list(TAILS).index("margin")]
+    texts = []  # the rows the stability margin perturbs
     for micro in range(accumulation):
         with contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model):
-            loss, terms = objective(model, s.loader.get(step, micro), tails)
+            ids = s.loader.get(step, micro)
+            loss, terms = objective(model, ids, tails)
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
+        if margin is not None:
+            texts.append(ids[:margin.rows])
     if s.coverage_rows is not None and step >= s.config.train.coverage.start:
         totals += _coverage_backward(s, model, objective, step)
+    if margin is not None:
+        totals += _margin_backward(s, model, objective, step, texts, margin)
     return totals
 
 
@@ -417,6 +425,22 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
     totals[TERMS.index("cov_share")] = cap_share(params, text, s.config.train.coverage.max_grad_share)
+    return totals
+
+
+def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],
+                     margin) -> torch.Tensor:
+    """The stability margin (`lnfree.removal.losses.margin`) on the first rows of each of `step`'s micro-batches
+    (`texts`), after the text's gradients: one perturbed site per micro-step, its own forwards and backward."""
+    accelerator, accumulation = s.accelerator, s.batches.accumulation
+    rank, layers = accelerator.process_index, s.arch.n_layers
+    totals = torch.zeros(len(TERMS), device=accelerator.device)
+    for micro, ids in enumerate(texts):
+        site = margin_site(s.config.train.seed, step, micro, rank, layers=layers, context=ids.shape[1])
+        with (contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model),
+              objective.margin(model, ids, site, margin) as (loss, terms)):
+            accelerator.backward(loss / accumulation)
+        totals += terms / accumulation
     return totals
 
 

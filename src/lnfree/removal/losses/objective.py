@@ -1,7 +1,7 @@
 """The loss a run trains on, one micro-batch at a time.
 
     loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
-           + w_mlp0(step)·mlp0 + w_range(step)·range
+           + w_mlp0(step)·mlp0 + w_range(step)·range  [+ w_margin(step)·margin, its own forward]
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
@@ -9,7 +9,9 @@ scale and tail do the same at every norm input (`lnfree.removal.losses.massive`:
 the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
-its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`). With `train.coverage` (`lnfree.removal.losses.coverage`) each
+its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); margin, in a forward of
+its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one token's
+residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With `train.coverage` (`lnfree.removal.losses.coverage`) each
 micro-step also runs generated rows of random and repeated ids on their own (`Objective.coverage`):
 cov_kl (KL to the teacher there) and cov_tail (the hinge against the text's typical scales). Every weight comes from `TrainConfig` (the
 step-dependent ones from the setting on at that step, `lnfree.removal.losses.massive.tail_at`); a term whose
@@ -31,6 +33,7 @@ from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import coverage_hinge, typical_log_scales
 from lnfree.removal.losses.distill import ce_and_kl_to_teacher
+from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
     NormInputs,
@@ -47,9 +50,11 @@ from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "cov_kl", "cov_tail", "cov_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "margin", "cov_kl", "cov_tail",
+         "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
-TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range"}
+TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
+         "margin": "stability_margin"}
 
 
 class LnfInput:
@@ -90,9 +95,12 @@ class Objective:
         self.head = HeadInput(model, arch) if chunked else None  # the student's final hidden states
         self.teacher_head = HeadInput(teacher, arch) if chunked and teacher is not None else None
         wanted = (train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
-                  or train.coverage is not None)
+                  or train.coverage is not None or train.stability_margin is not None)
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
         self.norm_inputs = NormInputs(model) if wanted else None
+        self.blocks = model.get_submodule(arch.layers)  # where `margin` perturbs the residual
+        self.residual_reads = {model.get_submodule(site.module) for site in arch.sites()  # what `margin` hinges
+                               if not site.per_head and not site.on_output}
         blocks = [p.from_block for p in pieces(train.position0_mlp)]
         self.mlp_outputs = MlpOutputs(model, blocks) if blocks else None
         self.neuron_activations = NeuronActivations(model) if train.neuron_range is not None else None
@@ -110,7 +118,7 @@ class Objective:
         """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
-        tail, tail0, mlp0, bounds = tails
+        tail, tail0, mlp0, bounds, _ = tails  # the margin has a forward of its own (`margin`)
         alpha = train.distill_alpha
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
@@ -145,11 +153,11 @@ class Objective:
             activations = self.neuron_activations.take()
             if bounds is not None:
                 beyond = neuron_range_loss(activations, self.neuron_ranges, bounds.ratio)
-        weights = [0.0 if t is None else t.weight for t in tails]
+        weights = [0.0 if t is None else t.weight for t in tails[:4]]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +174,34 @@ class Objective:
         terms = [torch.zeros_like(hinge)] * len(TERMS)
         terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
+
+    @contextlib.contextmanager
+    def margin(self, model: nn.Module, input_ids: torch.Tensor, site: tuple[int, int], setting: StabilityMargin):
+        """Within: (the loss, the `TERMS`) of the stability margin on the text rows `input_ids`: their norm
+        inputs without gradient, then again with the residual entering block `site[0]` scaled by
+        `setting.factor` at position `site[1]`, hinged (`lnfree.removal.losses.margin`). The perturbation and
+        the pause of the norms' σ statistics last until the context exits, so that a backward inside it
+        (and a gradient-checkpointing recompute there) sees the forward the loss came from."""
+        block, position = site
+        with surgery.statistics_paused(self.norm_inputs.model):
+            with torch.no_grad(), self.norm_inputs.capturing():
+                self._forward(model, input_ids, labels=False)
+            clean = self._residual_inputs()
+            with perturbed(self.blocks[block], position, setting.factor):
+                with self.norm_inputs.capturing():
+                    self._forward(model, input_ids, labels=False)
+                hinge = margin_loss(clean, self._residual_inputs(), position, self.norm_kind, setting.factor,
+                                    setting.ratio)
+                loss = setting.weight * hinge
+                terms = [torch.zeros_like(hinge)] * len(TERMS)
+                terms[0], terms[TERMS.index("margin")] = loss, hinge
+                yield loss, torch.stack([t.detach() for t in terms])
+
+    def _residual_inputs(self) -> list[torch.Tensor]:
+        """The inputs of the norms that read the residual stream, from the latest capturing forward (a
+        sublayer-output norm's input is what a gated MLP makes of its own, squared by construction)."""
+        inputs = self.norm_inputs.take()
+        return [x for x, module in zip(inputs, self.norm_inputs.sources, strict=True) if module in self.residual_reads]
 
     def _teaching(self, kl_weight: float) -> bool:
         """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `ce_and_kl_to_teacher`)."""
