@@ -47,11 +47,13 @@ def main() -> None:
     (model,) = runs["frozen"]["cpu_seconds"]  # ln_free or vanilla
     frozen, trained = runs["frozen"]["held_out_ce"][model], runs["trained"]["held_out_ce"][model]
     within = frozen - trained <= args.tolerance
+    original = runs["frozen"]["held_out_ce"].get("original", float("nan"))
     lines = [f"# train.freeze_embeddings on {args.config} ({', '.join(settings)}): validation CE at the end of the "
              f"same run, embedding frozen vs trained (tolerance {args.tolerance} nats)", "",
              "| model | original | frozen | trained | frozen − trained | within | CPU s frozen / trained | tokens |",
              "|---|---|---|---|---|---|---|---|",
-             f"| {model} | {runs['frozen']['held_out_ce'].get('original', float('nan')):.4f} | {frozen:.4f} | {trained:.4f} | {frozen - trained:+.4f} | {'yes' if within else 'no'} | "
+             f"| {model} | {original:.4f} | {frozen:.4f} | {trained:.4f} | {frozen - trained:+.4f} | "
+             f"{'yes' if within else 'no'} | "
              f"{runs['frozen']['cpu_seconds'][model]:.0f} / {runs['trained']['cpu_seconds'][model]:.0f} | "
              f"{runs['frozen']['held_out_tokens']} |"]
     out.with_suffix(".json").write_text(json.dumps(

@@ -160,8 +160,8 @@ def test_on_gemma_the_margin_reads_the_residual_not_the_sublayer_output_norms():
     objective = Objective(model.train(), TrainConfig(stability_margin=StabilityMargin()), arch, None, 0,
                           contextlib.nullcontext)
     names = {name for name, module in model.named_modules() if module in objective.residual_reads}
-    assert names == {f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "pre_feedforward_layernorm")} | {
-        "model.norm"}
+    reads = ("input_layernorm", "pre_feedforward_layernorm")  # not post_attention / post_feedforward
+    assert names == {f"model.layers.{i}.{n}" for i in range(2) for n in reads} | {"model.norm"}
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with objective.margin(model, ids, (1, 4), StabilityMargin()) as (loss, terms):
         assert torch.isfinite(loss)

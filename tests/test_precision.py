@@ -113,7 +113,7 @@ def test_the_modern_presets_and_a_model_without_one_freeze_the_embedding_and_let
 
     modern = {"smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "pythia-160m"}
     assert modern <= set(preset_names())
-    for name in preset_names():  # the tiny, realtext and GPT-2 presets reproduce bit-for-bit on any CPU
+    for name in preset_names():  # the tiny, realtext and GPT-2 presets compute alike on every CPU
         train = load_preset(name).train
         assert train.auto_cpu_bf16 is train.freeze_embeddings is (name in modern), name
     generic = base_config(None, None, "some-org/a-model-without-a-preset").train

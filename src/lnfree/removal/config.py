@@ -122,7 +122,7 @@ class TrainConfig(_Strict):
     auto_cpu_bf16: bool = Field(
         False, description="let mixed_precision and teacher_dtype 'auto' choose bf16 on a CPU with native bf16 "
         "(avx512_bf16 or AMX, lnfree.removal.precision) too: on in the modern models' presets and for a model "
-        "without a preset; off in the tiny and GPT-2 presets, whose runs then reproduce bit-for-bit on any CPU"
+        "without a preset; off in the tiny and GPT-2 presets, whose runs then compute alike on CPUs with and without it"
     )
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")

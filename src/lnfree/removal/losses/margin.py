@@ -12,10 +12,9 @@ multiplied by `factor` at one position p (k and p drawn per micro-step, a pure f
 and step, as the coverage rows), and every token from p on is hinged at every norm that reads the
 residual stream (not a sublayer-output norm such as Gemma's post-norms, whose input a gated MLP behind
 a fixed norm squares by construction) where its scale exceeds `ratio` × `factor` × its scale in the
-unperturbed forward. A model with real norms
-passes the excess on at most linearly (each block adds what a normalised input makes); the hinge
-trains the fixed stack to stay within that margin. The perturbed forward leaves the norms' σ
-statistics alone and computes no logits.
+unperturbed forward. A model with real norms passes the excess on at most about linearly (each block
+adds what a normalised input makes); the hinge trains the fixed stack to stay within that margin. Both
+extra forwards leave the norms' σ statistics alone, and their logits take no part in the loss.
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ class StabilityMargin(BaseModel):
     """The perturbation and its hinge (`train.stability_margin`; a list of them by `start`, as `train.scale_tail`)."""
 
     model_config = ConfigDict(extra="forbid")
-    factor: float = Field(4.0, gt=1, description="the perturbed token's residual is multiplied by this at a block's input")
+    factor: float = Field(4.0, gt=1, description="the perturbed token's residual is multiplied by this at a "
+                          "block's input")
     ratio: float = Field(2.0, gt=1, description="tokens whose scale at a later norm input exceeds ratio × factor × "
                          "their unperturbed scale are pulled back")
     rows: int = Field(1, ge=1, description="sequences of each micro-batch perturbed (one position each): the extra "
@@ -77,7 +77,8 @@ def margin_loss(clean: list[torch.Tensor], perturbed_inputs: list[torch.Tensor],
     factor))², per sequence: scale′ in the perturbed forward (with its gradient), scale in the clean one
     (the same rows, detached). Norm inputs upstream of the perturbation add nothing (scale′ = scale)."""
     if len(clean) != len(perturbed_inputs):
-        raise RuntimeError(f"{len(perturbed_inputs)} norm inputs in the perturbed forward, {len(clean)} in the clean one")
+        raise RuntimeError(f"{len(perturbed_inputs)} norm inputs in the perturbed forward, {len(clean)} in the "
+                           "clean one")
     rows = perturbed_inputs[0].shape[0]
     limit = math.log(ratio * factor)
     total = torch.zeros((), device=perturbed_inputs[0].device)

@@ -9,9 +9,10 @@ scale and tail do the same at every norm input (`lnfree.removal.losses.massive`:
 the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
-its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); margin, in a forward of
-its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one token's
-residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With `train.coverage` (`lnfree.removal.losses.coverage`) each
+its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); margin, in forwards of
+its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one
+token's residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With
+`train.coverage` (`lnfree.removal.losses.coverage`) each
 micro-step also runs generated rows of random and repeated ids on their own (`Objective.coverage`):
 cov_kl (KL to the teacher there) and cov_tail (the hinge against the text's typical scales). Every weight comes from `TrainConfig` (the
 step-dependent ones from the setting on at that step, `lnfree.removal.losses.massive.tail_at`); a term whose
