@@ -137,6 +137,8 @@ def test_a_run_with_the_margin_logs_it_and_resumes_exactly(tmp_path):
     full = run(config, progress=False)
     logged = [json.loads(line) for line in (full.output_dir / "log.jsonl").read_text().splitlines()]
     margins = {r["step"]: r["margin"] for r in logged if "margin" in r}
+    shares = {r["step"]: r["margin_share"] for r in logged if "margin_share" in r}  # its gradient over the text's
+    assert set(shares) == set(margins) and shares[1] == 0 and max(shares.values()) > 0
     assert sorted(margins) == list(range(1, 17)) and margins[1] == margins[3] == 0  # on from step index 3
     assert any(m > 0 for m in margins.values()) and all(math.isfinite(m) for m in margins.values())
     moved = tmp_path / "moved"

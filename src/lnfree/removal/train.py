@@ -431,9 +431,12 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
 def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],
                      margin) -> torch.Tensor:
     """The stability margin (`lnfree.removal.losses.margin`) on the first rows of each of `step`'s micro-batches
-    (`texts`), after the text's gradients: one perturbed site per micro-step, its own forwards and backward."""
+    (`texts`), after the text's gradients: one perturbed site per micro-step, its own forwards and backward, its
+    gradient capped at `max_grad_share` of what came before it; the uncapped share in `margin_share`."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
     rank, layers = accelerator.process_index, s.arch.n_layers
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = gradients(params)
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     for micro, ids in enumerate(texts):
         site = margin_site(s.config.train.seed, step, micro, rank, layers=layers, context=ids.shape[1])
@@ -441,6 +444,7 @@ def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: in
               objective.margin(model, ids, site, margin) as (loss, terms)):
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
+    totals[TERMS.index("margin_share")] = cap_share(params, before, margin.max_grad_share)
     return totals
 
 

@@ -45,6 +45,10 @@ class StabilityMargin(BaseModel):
                       "forward's size")
     weight: float = Field(1.0, ge=0, description="its weight in the loss")
     start: int = Field(0, ge=0, description="the first step it is on")
+    max_grad_share: float | None = Field(
+        0.25, gt=0, description="cap its gradient at this share of the text's (by norm, per step), as the coverage "
+        "rows' (lnfree.removal.losses.coverage.cap_share): a provoked runaway's gradient is 10^4-10^6, which gradient "
+        "clipping would let dominate the step and train.skip_grad_norm would drop; None: no cap")
 
 
 def margin_site(seed: int, step: int, micro_step: int, rank: int, *, layers: int, context: int) -> tuple[int, int]:

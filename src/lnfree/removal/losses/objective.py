@@ -51,8 +51,8 @@ from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "margin", "cov_kl", "cov_tail",
-         "cov_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "margin", "margin_share", "cov_kl",
+         "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
          "margin": "stability_margin"}
@@ -158,7 +158,7 @@ class Objective:
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero, zero)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,6 +259,8 @@ class Objective:
         for term, field in TAILS.items():
             if getattr(self.train, field) is None:
                 del record[term]
+        if self.train.stability_margin is None:
+            del record["margin_share"]
         return record
 
     def remove(self) -> None:
