@@ -113,11 +113,11 @@ def test_a_fixed_gated_model_pays_a_margin_its_real_norms_do_not_and_the_gradien
     assert neuron.abs().sum() > 0 and torch.isfinite(neuron).all()
     assert all(not s.paused for s in surgery.scale_states(model).values())  # statistics resumed after it
     checkpointed = fixed(planted(tiny_family("llama")), ids)  # a recompute in the backward sees the perturbation
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert margin(checkpointed)[TERMS.index("margin")] == terms[TERMS.index("margin")]
     torch.testing.assert_close(checkpointed.get_submodule(down).weight.grad, model.get_submodule(down).weight.grad)
     real = surgery.install(planted(tiny_family("llama")))  # real norms gather σ statistics in training forwards
-    real.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    real.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     before = {name: state.stats.clone() for name, state in surgery.scale_states(real).items()}
     margin(real)  # neither its forwards nor the backward's recompute feed them
     assert all(torch.equal(state.stats, before[name]) for name, state in surgery.scale_states(real).items())
