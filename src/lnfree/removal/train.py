@@ -412,39 +412,46 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
 
 
 def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
-    """The generated rows of `step` (`lnfree.removal.losses.coverage`), after the text's gradients are complete (and
-    synchronised): their own forwards and backwards, their gradient capped at `max_grad_share` of the
-    text's; return their loss terms, with the uncapped share in `cov_share`."""
-    accelerator, accumulation = s.accelerator, s.batches.accumulation
-    params = [p for p in model.parameters() if p.requires_grad]
-    text = gradients(params)
-    totals = torch.zeros(len(TERMS), device=accelerator.device)
-    for micro in range(accumulation):
-        with contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model):
-            loss, terms = objective.coverage(model, s.coverage_rows(step, micro).to(accelerator.device))
-            accelerator.backward(loss / accumulation)
-        totals += terms / accumulation
-    totals[TERMS.index("cov_share")] = cap_share(params, text, s.config.train.coverage.max_grad_share)
-    return totals
+    """The generated rows of `step` (`lnfree.removal.losses.coverage`), after the text's gradients, their
+    gradient capped at `max_grad_share` of the text's (`_capped_backward`; the uncapped share in `cov_share`)."""
+    device = s.accelerator.device
+    passes = (_evaluated(lambda micro=micro: objective.coverage(model, s.coverage_rows(step, micro).to(device)))
+              for micro in range(s.batches.accumulation))
+    return _capped_backward(s, model, passes, s.config.train.coverage.max_grad_share, "cov_share")
 
 
 def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],
                      margin) -> torch.Tensor:
     """The stability margin (`lnfree.removal.losses.margin`) on the first rows of each of `step`'s micro-batches
-    (`texts`), after the text's gradients: one perturbed site per micro-step, its own forwards and backward, its
-    gradient capped at `max_grad_share` of what came before it; the uncapped share in `margin_share`."""
+    (`texts`), after the text's gradients: one perturbed site per micro-step, its gradient capped at
+    `max_grad_share` of what came before it (`_capped_backward`; the uncapped share in `margin_share`)."""
+    rank, layers, seed = s.accelerator.process_index, s.arch.n_layers, s.config.train.seed
+    passes = (objective.margin(model, ids, margin_site(seed, step, micro, rank, layers=layers, context=ids.shape[1]),
+                               margin) for micro, ids in enumerate(texts))
+    return _capped_backward(s, model, passes, margin.max_grad_share, "margin_share")
+
+
+@contextlib.contextmanager
+def _evaluated(compute: Callable):
+    """A context that gives `compute()`, called on entering it."""
+    yield compute()
+
+
+def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, share_term: str) -> torch.Tensor:
+    """Forwards and backwards after the text's gradients are complete (and synchronised), one per micro-step:
+    each of `passes` a context giving (loss, terms), entered inside the micro-step's gradient-sync context and
+    left after its backward; their gradient capped at `share` of what came before (`cap_share`). Return their
+    loss terms, with the uncapped share in `share_term`."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
-    rank, layers = accelerator.process_index, s.arch.n_layers
     params = [p for p in model.parameters() if p.requires_grad]
     before = gradients(params)
     totals = torch.zeros(len(TERMS), device=accelerator.device)
-    for micro, ids in enumerate(texts):
-        site = margin_site(s.config.train.seed, step, micro, rank, layers=layers, context=ids.shape[1])
+    for micro, losses in enumerate(passes):
         with (contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model),
-              objective.margin(model, ids, site, margin) as (loss, terms)):
+              losses as (loss, terms)):
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
-    totals[TERMS.index("margin_share")] = cap_share(params, before, margin.max_grad_share)
+    totals[TERMS.index(share_term)] = cap_share(params, before, share)
     return totals
 
 
