@@ -39,15 +39,18 @@ BASELINE = "default malloc"
 
 
 def bench_config(path: Path, steps: int, out: Path):
-    """The run config at `path`, cut to `steps` steps: one removal at step 1, no evaluation, checkpoint,
-    ceiling or special σ."""
-    config = load_config(path)
-    return with_overrides(config, {
+    """The run config at `path`, cut to `steps` steps (`bench_overrides`)."""
+    return with_overrides(load_config(path), bench_overrides(steps, out))
+
+
+def bench_overrides(steps: int, out: Path) -> dict:
+    """A run cut to `steps` steps: one removal at step 1, no evaluation, checkpoint, ceiling or special σ."""
+    return {
         "output_dir": str(out), "train.max_steps": steps, "train.warmup_steps": 1, "train.eval_every": 0,
         "train.save_every": 0, "train.keep_checkpoints": None, "train.log_every": 1, "data.eval_sequences": 4,
         "removal.scale_ceiling": None, "removal.special_pos0": False, "removal.special_eot": False,
         "removal.schedule": {"stages": [{"kind": "ln_1qk", "start": 1, "gap": 0}]},
-    })
+    }
 
 
 def step_seconds(log: Path, warmup: int) -> list[float]:

@@ -76,9 +76,12 @@ class GPT2(Architecture):
 
     def block_activations(self) -> tuple[int, int]:
         """Both LayerNorm inputs (fp32); ln_1's output, Q/K/V, the attention output and its contiguous
-        copy, ln_2's output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output."""
+        copy, ln_2's output; `gelu_new` keeps c_fc's output, tanh, x/2, 1 + tanh and its output. CUDA
+        autocast runs `gelu_new`'s x³ in fp32, so c_fc's output (as pow's fp32 input), tanh and 1 + tanh
+        are kept in fp32 (measured on an H200: without this GPT-2 small to XL in bf16 peaked 7–10 GB above
+        the plan, `benchmarks/results/gpu/`)."""
         d = self.hidden
-        return 2 * d, 7 * d + 5 * self.intermediate
+        return 2 * d + 3 * self.intermediate, 7 * d + 2 * self.intermediate
 
     def sites(self) -> list[NormSite]:
         d = self.config.n_embd

@@ -15,8 +15,9 @@ The prediction adds, per GPU:
   12 B per token and vocabulary entry) or, with checkpointing, one block recomputed with its
   backward's working gradients, whichever is larger;
 - the distillation teacher, if any (`lnfree.removal.losses.distill`): its parameters (frozen, bf16 on a GPU by
-  default), its logits and the student's (kept for the KL), and the KL's fp32 log-probabilities
-  of both, which its backward keeps (8 B + 2 logits per token and vocabulary entry);
+  default) and its logits, kept through the student's forward (the KL beside the CE runs in chunks of
+  tokens, within the CE's transient; measured on an H200, GPT-2 small distilled peaked 1.8 GB above the
+  same run without a teacher, where weights and logits count 3.5 GB: `benchmarks/results/gpu/`);
 - the per-token scales real norms gathered for σ and not yet summed (`ScaleState.gather`): fewer
   than `FOLD_ELEMENTS` per scale state (4 B each);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
@@ -158,7 +159,7 @@ def predict(shape: ModelShape, setup: Setup, teacher: Teacher | None = None) -> 
     teacher_bytes = 0.0
     if teacher is not None:
         act = 2 if setup.autocast else 4
-        teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + (8 + 2 * act) * tokens * shape.vocab
+        teacher_bytes = teacher.parameters * teacher.bytes_per_parameter + act * tokens * shape.vocab
     trained = p - (shape.embedding_parameters if setup.freeze_embeddings else 0)
     return Prediction(
         weights=4 * p / shard, optimizer=8 * trained / shard, gradients=4 * trained / shard,
@@ -252,21 +253,28 @@ def plan_config(config, gpus: int = 1, gpu_memory_gb: float = 80.0, sharded: boo
     return plan_run(config, model_shape(model_config), context, gpus, gpu_memory_gb, True, sharded=sharded)
 
 
-def describe_run(config, model_config, context: int, micro_batch: int, gpus: int, device: torch.device,
-                 autocast: bool) -> str:
-    """The predicted peak of a run as configured (its teacher included), and on a GPU whether it
-    fits (else what would)."""
+def run_prediction(config, model_config, context: int, micro_batch: int, gpus: int, device: torch.device,
+                   autocast: bool) -> Prediction:
+    """The predicted peak per device of a run as configured, its teacher included (on a CPU without the
+    GPU's reserve)."""
     shape = model_shape(model_config)
     setup = Setup(context=context, micro_batch=micro_batch, checkpointing=config.train.gradient_checkpointing,
                   autocast=autocast, gpus=gpus, dropout=bool(config.train.dropout),
                   freeze_embeddings=config.train.freeze_embeddings,
                   reserve_gb=Setup.model_fields["reserve_gb"].default if device.type == "cuda" else 0.0)
-    prediction = predict(shape, setup, run_teacher(config, shape, gpu=device.type == "cuda"))
+    return predict(shape, setup, run_teacher(config, shape, gpu=device.type == "cuda"))
+
+
+def describe_run(config, model_config, context: int, micro_batch: int, gpus: int, device: torch.device,
+                 autocast: bool) -> str:
+    """The predicted peak of a run as configured (its teacher included), and on a GPU whether it
+    fits (else what would)."""
+    prediction = run_prediction(config, model_config, context, micro_batch, gpus, device, autocast)
     line = f"memory plan: predicted peak {prediction.line()} per device"
     if device.type != "cuda":
         return line
     memory_gb = torch.cuda.get_device_properties(device).total_memory / GB
     if prediction.total <= USABLE * memory_gb * GB:
         return f"{line}; fits in {memory_gb:.0f} GB"
-    better = plan_run(config, shape, context, gpus, memory_gb, autocast)
+    better = plan_run(config, model_shape(model_config), context, gpus, memory_gb, autocast)
     return f"{line}; may NOT fit in {memory_gb:.0f} GB. {better.describe()}"
