@@ -49,3 +49,20 @@ def test_throughput_runs_lnfree_remove_with_and_without_the_steady_allocator(tmp
         assert all(len(r["step_seconds"]) == 4 for r in runs)  # steps 2–5
     assert all(math.isfinite(s["tokens_per_hour"]) and s["tokens_per_hour"] > 0 for s in results["summary"].values())
     assert "tokens / hour" in out.with_suffix(".txt").read_text()
+
+
+def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path):
+    from lnfree.removal.config import load_preset
+
+    config = tmp_path / "tiny.json"
+    config.write_text(load_preset("tiny").model_dump_json())
+    out = tmp_path / "profile"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_step_profile.py"), "--config", str(config),
+                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    results = json.loads(out.with_suffix(".json").read_text())
+    for precision in ("fp32", "bf16"):
+        seconds = results["profiles"][precision]["seconds"]
+        assert seconds["matrix products"] > 0 and seconds["attention"] > 0, precision
+    assert set(results["attention_kernels"]) == {"flash_attention float32", "math float32",
+                                                 "flash_attention bfloat16", "math bfloat16"}
+    assert "| attention |" in out.with_suffix(".txt").read_text()

@@ -1,0 +1,135 @@
+"""Where a CPU training step spends its time in fp32 and in bf16, by kind of operation (issue 38).
+
+Runs a run config (default: `benchmarks/configs/smollm2-135m_vanilla_realtext.toml`, the step of issue
+38's SmolLM2 target) for 3 steps (a removal's first stage at step 1) in a fresh process per precision and profiles the forward and
+backward of the third step with torch.profiler (self CPU time per operator; the optimiser step is
+outside it). Operators are grouped: matrix products (mm, addmm, bmm), attention (PyTorch's
+scaled-dot-product kernels), the vocabulary log-softmax and its backward, dtype casts (copy_, _to_copy)
+and the rest. Then a kernel check: causal scaled-dot-product attention forward + backward at the
+config's shape (batch × heads × context × head size) with PyTorch's flash and math backends, in fp32
+and bf16. Prints each group's seconds per precision and the fp32 / bf16 ratio, and writes
+`benchmarks/results/cpu_step_profile_<model>.json` / `.txt`.
+
+    python benchmarks/cpu_step_profile.py [--config FILE] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "benchmarks/configs/smollm2-135m_vanilla_realtext.toml"
+PRECISIONS = {"fp32": "no", "bf16": "bf16"}
+GROUPS = {"matrix products": ("aten::mm", "aten::addmm", "aten::bmm"), "attention": ("scaled_dot_product",),
+          "vocabulary log-softmax": ("log_softmax",), "dtype casts": ("aten::copy_", "aten::_to_copy")}
+
+
+def group(name: str) -> str:
+    return next((g for g, keys in GROUPS.items() if any(k in name for k in keys)), "rest")
+
+
+def child(config_path: Path, precision: str, out: Path) -> None:
+    """Profile the third step's forward and backward of the config in `precision`; write seconds per group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import lnfree.removal.train as train
+    from lnfree.removal.config import load_config, with_overrides
+
+    config = load_config(config_path)
+    # a removal run fixes its first stage's norms at step 1, so that its schedule fits in 3 steps
+    stages = config.removal.schedule.stages if config.removal.mode == "remove" else []
+    config = with_overrides(config, {
+        "output_dir": str(out.parent / f"run_{precision}"), "train.max_steps": 3, "train.eval_every": 0,
+        "train.save_every": 0, "train.mixed_precision": precision, "data.eval_sequences": 2,
+        **({"removal.schedule": {"stages": [{"kind": stages[0].kind, "start": 1, "gap": 0}]}} if stages else {})})
+    profiler, calls, step = profile(activities=[ProfilerActivity.CPU]), [0], train._forward_backward
+
+    def profiled_step(*args, **kwargs):  # a benchmark-only wrapper: the third call runs under the profiler
+        calls[0] += 1
+        if calls[0] != 3:
+            return step(*args, **kwargs)
+        with profiler:
+            return step(*args, **kwargs)
+
+    train._forward_backward = profiled_step
+    train.run(config, overwrite=True, progress=False)
+    seconds: dict[str, float] = {}
+    for event in profiler.key_averages():
+        key = group(event.key)
+        seconds[key] = seconds.get(key, 0.0) + event.self_cpu_time_total / 1e6
+    out.write_text(json.dumps({"model": config.model, "seconds": seconds,
+                               "shape": [config.train.micro_batch_size, config.data.context_length]}))
+
+
+def attention_kernels(batch: int, heads: int, context: int, head_size: int) -> dict[str, float]:
+    """CPU seconds of one causal attention forward + backward per backend and dtype (best of 3)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+            q, k, v = (torch.randn(batch, heads, context, head_size, dtype=dtype, requires_grad=True) for _ in range(3))
+            times = []
+            for _ in range(4):
+                start = time.process_time()
+                with sdpa_kernel(backend):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                times.append(time.process_time() - start)
+            out[f"{backend.name.lower()} {str(dtype).removeprefix('torch.')}"] = min(times[1:])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_step_profile_<model>")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(Path(args.child[0]), args.child[1], Path(args.child[2]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    profiles = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, precision in PRECISIONS.items():
+            out = Path(tmp) / f"{name}.json"
+            subprocess.run([sys.executable, __file__, "--child", str(args.config), precision, str(out)], check=True,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            profiles[name] = json.loads(out.read_text())
+    import torch
+    from transformers import AutoConfig
+
+    from lnfree.models.base import resolve_model_source
+
+    torch.set_num_threads(args.threads)
+    model = profiles["fp32"]["model"]
+    hf = AutoConfig.from_pretrained(resolve_model_source(model))
+    batch, context = profiles["fp32"]["shape"]
+    kernels = attention_kernels(batch, hf.num_attention_heads, context, hf.hidden_size // hf.num_attention_heads)
+    lines = [f"# {model}: one step's forward + backward ({batch} × {context} tokens), self CPU seconds by kind of "
+             f"operator, OMP_NUM_THREADS={args.threads}", "", "| operators | fp32 s | bf16 s | fp32 / bf16 |", "|---|---|---|---|"]
+    for key in [*GROUPS, "rest"]:
+        a, b = (profiles[p]["seconds"].get(key, 0.0) for p in PRECISIONS)
+        lines.append(f"| {key} | {a:.2f} | {b:.2f} | {a / b:.2f} |" if b else f"| {key} | {a:.2f} | {b:.2f} | – |")
+    total = [sum(profiles[p]["seconds"].values()) for p in PRECISIONS]
+    lines += [f"| **total** | {total[0]:.2f} | {total[1]:.2f} | {total[0] / total[1]:.2f} |", "",
+              f"Causal attention forward + backward alone, {batch} × {hf.num_attention_heads} heads × {context} × "
+              f"{hf.hidden_size // hf.num_attention_heads}, CPU seconds (best of 3):", "",
+              "| kernel | seconds |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in kernels.items()]
+    out = args.out or ROOT / "benchmarks/results" / f"cpu_step_profile_{model.replace('/', '_')}"
+    (out.parent / f"{out.name}.json").write_text(json.dumps({"profiles": profiles, "attention_kernels": kernels,
+                                                             "threads": args.threads}, indent=1))
+    (out.parent / f"{out.name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
