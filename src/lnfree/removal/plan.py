@@ -21,7 +21,8 @@ The prediction adds, per GPU:
 - the per-token scales real norms gathered for σ and not yet summed (`ScaleState.gather`): fewer
   than `FOLD_ELEMENTS` per scale state (4 B each);
 - a fixed reserve for the CUDA context and allocator fragmentation (`reserve_gb`).
-`benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes.
+`benchmarks/memory_plan.py` checks the formula against measured peaks on CPU at small shapes, and
+`benchmarks/gpu_presets.py` against the GPT-2 presets on a GPU (`--replan` re-predicts its recorded runs).
 """
 
 from __future__ import annotations
