@@ -66,3 +66,14 @@ def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path)
     assert set(results["attention_kernels"]) == {"flash_attention float32", "math float32",
                                                  "flash_attention bfloat16", "math bfloat16"}
     assert "| attention |" in out.with_suffix(".txt").read_text()
+
+
+def test_bridge_memory_reports_every_stage(tmp_path):
+    out = tmp_path / "bridge_memory"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bridge_memory.py"), "tiny", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True)
+    (result,) = json.loads(out.with_suffix(".json").read_text())
+    assert list(result["stages"]) == ["start", "model loaded", "bridge built", "DLA of 4 × 64 ids", "bridge released"]
+    peaks = [m["peak_gb"] for m in result["stages"].values()]
+    assert peaks == sorted(peaks) and all(m["rss_gb"] > 0 for m in result["stages"].values())
+    assert "| tiny |" in out.with_suffix(".txt").read_text()
