@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.coverage import Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales
-from lnfree.removal.train import run
+from lnfree.removal.train import RunError, run
 
 
 def test_rows_are_a_pure_function_of_step_and_rank_and_start_with_bos():
@@ -88,3 +90,36 @@ def test_a_run_with_coverage_logs_its_terms_and_its_control_sees_the_same_rows(r
     run(vanilla, progress=False)
     control = [json.loads(line) for line in (tmp_path / "vanilla" / "log.jsonl").read_text().splitlines()]
     assert any(r.get("cov_kl", 0) > 0 for r in control)
+
+
+def test_replay_ids_take_their_share_of_the_repeated_rows_and_read_from_a_mined_file(tmp_path):
+    args = {"context": 8, "vocab_size": 1000, "bos": 3, "seed": 0}
+    only = Coverage(rows=64, repeated_share=1.0, replay=[7, 9], replay_share=1.0)
+    assert set(coverage_ids(only, 0, 0, 0, **args)[:, 1:].unique().tolist()) == {7, 9}
+    half = coverage_ids(Coverage(rows=400, repeated_share=1.0, replay=[7, 9], replay_share=0.5), 0, 0, 0, **args)
+    replayed = float(((half[:, 1] == 7) | (half[:, 1] == 9)).float().mean())
+    assert 0.4 < replayed < 0.6
+    mined = tmp_path / "ids.json"
+    mined.write_text(json.dumps({"overflow": [11, 5], "ids": [1, 5, 11]}))
+    assert Coverage(replay=str(mined)).replay == [11, 5]
+    with pytest.raises(ValueError, match="overflow"):
+        Coverage(replay=str(tmp_path / "missing.json"))
+
+
+def test_a_replay_list_may_join_the_coverage_of_a_resumed_run_from_its_checkpoint_on(run_config, tmp_path):
+    cov = {"rows": 2, "ratio": 1.2, "start": 0, "max_grad_share": 0.3}
+    config = with_overrides(run_config(max_steps=12, save_every=4), {
+        "train.coverage": cov, "train.distill_alpha": 0.5, "train.eval_every": 0})
+    out = run(config, progress=False).output_dir
+    for later in ("step_000008", "step_000012"):
+        shutil.rmtree(out / "checkpoints" / later)
+    replay = [cov, {**cov, "start": 4, "replay": [5, 6], "replay_share": 1.0}]
+    with pytest.raises(RunError, match="the coverage loss before step 4"):
+        run(with_overrides(config, {"train.coverage": [cov, {**replay[1], "start": 2}]}), resume=True, progress=False)
+    with pytest.raises(RunError, match="outside the vocabulary"):
+        run(with_overrides(config, {"train.coverage": [cov, {**replay[1], "replay": [10**9]}]}), resume=True,
+            progress=False)
+    run(with_overrides(config, {"train.coverage": replay}), resume=True, progress=False)
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert {"event": "amend", "step": 4, "changed": ["train.coverage"]} in lines
+    assert [r for r in lines if r.get("step") == 12 and "cov_kl" in r][-1]["cov_kl"] > 0

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from lnfree.cli import app
-from lnfree.evaluate.stress import culprit, frequency_ranks, repeated_probe_ids, run_stress, sweep_sequences
+from lnfree.evaluate.stress import (OVERFLOW_RATIO, culprit, frequency_ranks, measure, overflow_ratio, repeated_probe_ids,
+                                   repeated_sequences, run_stress, sweep_sequences)
 
 runner = CliRunner()
 FAST = {"context": 32, "n_sequences": 24, "repeated": 64, "vocab": None}
@@ -106,3 +107,50 @@ def test_the_culprit_is_the_token_that_leaves_the_envelope_at_the_earliest_layer
     norms[2, 1] = 20.0  # two positions leave the envelope at the same layer: the first
     assert culprit(norms, limits) == 1
     assert culprit(torch.ones(5, 6), limits) is None
+
+
+def test_the_repeated_sweep_reads_what_stress_reads_and_finds_a_planted_id(tiny_ln_free_export, tmp_path):
+    from lnfree.data.documents import bos_token
+    from lnfree.evaluate import load_models
+    from lnfree.evaluate.repeat_sweep import repeated_sweep
+
+    limits = torch.tensor(run_stress([str(tiny_ln_free_export)], "tiny", **FAST).records[0].envelope)
+    token = 40
+    swept = {}
+    for name, folder in (("clean", tiny_ln_free_export), ("planted", planted(tiny_ln_free_export, tmp_path, token, 100.0))):
+        model = load_models([str(folder)])[0]
+        ids, bos = torch.arange(model.vocab_size), bos_token(model.module, model.tokenizer)
+        swept[name] = repeated_sweep(model.module, ids, limits, bos=bos, context=8, batch_size=64)
+        run = measure(model.module, repeated_sequences(ids.numpy(), 8, bos), batch_size=64)  # with the head
+        torch.testing.assert_close(swept[name], overflow_ratio(run, limits)[0].amax(dim=1), rtol=1e-5, atol=1e-6)
+    assert (swept["clean"] < OVERFLOW_RATIO).all()
+    assert swept["planted"][token] > OVERFLOW_RATIO and (swept["planted"] > OVERFLOW_RATIO).sum() == 1
+
+
+def test_mining_writes_the_overflowing_ids_that_coverage_replays(tiny_ln_free_export, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lnfree.removal.losses.coverage import Coverage
+
+    report = run_stress([str(tiny_ln_free_export)], "tiny", **FAST)
+    (tmp_path / "stress.json").write_text(json.dumps(report.to_dict(), default=str))
+    bad = planted(tiny_ln_free_export, tmp_path, 40, 100.0)
+    script = Path(__file__).parents[1] / "experiments" / "robust" / "mine_repeated.py"
+    mined = {}
+    for part in ("0,1", "2,3"):
+        out = tmp_path / f"part{part[0]}.json"
+        subprocess.run([sys.executable, str(script), str(bad), "--envelope", str(tmp_path / "stress.json"),
+                        "--part", part, "--of", "4", "--fp32", "--out", str(out)], check=True, capture_output=True)
+        mined[part] = json.loads(out.read_text())
+    assert set(mined["0,1"]["ids"]).isdisjoint(mined["2,3"]["ids"])
+    assert len(mined["0,1"]["ids"]) + len(mined["2,3"]["ids"]) == report.records[0].vocab_size
+    found = [m["overflow"] for m in mined.values()]
+    assert sorted(found[0] + found[1]) == [40]
+    first = tmp_path / ("part0.json" if found[0] else "part2.json")
+    assert Coverage(replay=str(first)).replay == [40]
+    again = tmp_path / "again.json"
+    subprocess.run([sys.executable, str(script), str(tiny_ln_free_export), "--envelope", str(tmp_path / "stress.json"),
+                    "--ids-from", str(first), "--out", str(again)], check=True, capture_output=True)
+    assert json.loads(again.read_text())["ids"] == [40] and json.loads(again.read_text())["overflow"] == []  # clean

@@ -120,7 +120,7 @@ def step(student, objective, text, rows):
     student.zero_grad(set_to_none=True)
     loss, terms = objective(student, text, (None,) * len(TAILS))
     loss.backward()
-    cov_loss, cov_terms = objective.coverage(student, rows)
+    cov_loss, cov_terms = objective.coverage(student, rows, objective.train.coverage)
     cov_loss.backward()
     grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
     return torch.cat([terms, cov_terms]), grads

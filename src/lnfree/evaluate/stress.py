@@ -40,20 +40,30 @@ WORST = 20
 
 
 @torch.no_grad()
-def residual_and_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_stream(model: torch.nn.Module, ids: torch.Tensor, *, head: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(residual stream [n_layers + 1, n, T, d]: the input of every block and of the final norm, logits
-    [n, T, V] as fp32) of one forward of a transformers model."""
+    [n, T, V] as fp32) of one forward of a transformers model; without `head`, the body's forward alone
+    (`base_model`) and no logits."""
     arch = architecture(model)
     captured: list[torch.Tensor] = []
     final = model.get_submodule(arch.final_norm)
     handle = final.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
     try:
-        out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
+        out = (model if head else model.base_model)(
+            input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
     finally:
         handle.remove()
     if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
         raise RuntimeError(f"the final norm ran {len(captured)} times in one forward")
-    return torch.stack([*out.hidden_states[:arch.n_layers], captured[0]]), out.logits.float()
+    stream = torch.stack([*out.hidden_states[:arch.n_layers], captured[0]])
+    return stream, out.logits.float() if head else None
+
+
+def residual_norms(stream: torch.Tensor) -> torch.Tensor:
+    """The L2 norms of a residual stream [..., d] on the CPU, inf where non-finite."""
+    norms = torch.linalg.vector_norm(stream.float(), dim=-1).cpu()
+    return torch.where(norms.isfinite(), norms, torch.full_like(norms, math.inf))
 
 
 @dataclass
@@ -71,9 +81,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, *, batch_size: int = 8, p
     parts = []
     for start in range(0, len(ids), batch_size):
         batch = ids[start:start + batch_size]
-        stream, logits = residual_and_logits(model, batch)
-        norms = torch.linalg.vector_norm(stream.float(), dim=-1).cpu()
-        norms = torch.where(norms.isfinite(), norms, torch.full_like(norms, math.inf))
+        stream, logits = residual_stream(model, batch)
+        norms = residual_norms(stream)
         finite = logits.isfinite().all(dim=-1).cpu()
         head = logits[:, :-1]
         ce = (head.logsumexp(dim=-1) - head.gather(-1, batch[:, 1:, None].to(head.device))[..., 0]).cpu()

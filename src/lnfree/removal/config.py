@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
-STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "stability_margin")
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "stability_margin", "coverage")
 
 
 class TrainConfig(_Strict):
@@ -93,9 +93,10 @@ class TrainConfig(_Strict):
         None, description="in a forward of its own over a few of each micro-batch's sequences, one token's residual "
         "scaled up at one block and its growth downstream hinged (lnfree.removal.losses.margin); None is off"
     )
-    coverage: Coverage | None = Field(
+    coverage: Coverage | list[Coverage] | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
-        "teacher and within the text's typical scale at every norm input (lnfree.removal.losses.coverage); None is off"
+        "teacher and within the text's typical scale at every norm input (lnfree.removal.losses.coverage; a list: "
+        "settings by start); None is off"
     )
     distill_alpha: float = Field(
         0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "

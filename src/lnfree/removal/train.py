@@ -41,12 +41,12 @@ from lnfree.arch.base import Architecture
 from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import cap_share, coverage_ids, gradients
+from lnfree.removal.losses.coverage import Coverage, cap_share, coverage_ids, gradients
 from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.removal.launch import make_accelerator, quiet_libraries
 from lnfree.removal.layout import LOG, START, TOKENIZER
-from lnfree.removal.losses.massive import Damping, find_massive_neurons
+from lnfree.removal.losses.massive import Damping, find_massive_neurons, pieces, tail_at
 from lnfree.models.base import load_base
 from lnfree.removal.losses.neuron_range import neuron_ranges
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
@@ -184,7 +184,7 @@ class _Setup:
     momentum: float  # σ momentum per optimiser step
     steady: bool  # whether glibc keeps freed memory (`lnfree.removal.runtime.steady_allocator`)
     amended: list[str]  # the config fields a resumed run changed
-    coverage_rows: Callable[[int, int], torch.Tensor] | None  # (step, micro-step) → generated rows (train.coverage)
+    coverage_rows: Callable[[int, int, Coverage], torch.Tensor] | None  # (step, micro-step, settings) → generated rows
 
     @property
     def out(self) -> Path:
@@ -233,13 +233,16 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
 
 
 def _coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, tokenizer):
-    """(step, micro-step) → this rank's generated rows of `train.coverage`, or None when it is off."""
+    """(step, micro-step, the settings on) → this rank's generated rows of `train.coverage`, or None when it is off."""
     coverage = config.train.coverage
     if coverage is None:
         return None
     bos, vocab = bos_token(model, tokenizer), model.config.vocab_size
-    return lambda step, micro: coverage_ids(coverage, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
-                                            seed=config.train.seed)
+    outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
+    if outside:
+        raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
+    return lambda step, micro, cov: coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
+                                                 seed=config.train.seed)
 
 
 def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn.Module,
@@ -404,20 +407,23 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
         totals += terms / accumulation
         if margin is not None:
             texts.append(ids[:margin.rows])
-    if s.coverage_rows is not None and step >= s.config.train.coverage.start:
-        totals += _coverage_backward(s, model, objective, step)
+    coverage = tail_at(s.config.train.coverage, step)
+    if coverage is not None:
+        totals += _coverage_backward(s, model, objective, step, coverage)
     if margin is not None:
         totals += _margin_backward(s, model, objective, step, texts, margin)
     return totals
 
 
-def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
-    """The generated rows of `step` (`lnfree.removal.losses.coverage`), after the text's gradients, their
-    gradient capped at `max_grad_share` of the text's (`_capped_backward`; the uncapped share in `cov_share`)."""
+def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage) -> torch.Tensor:
+    """The generated rows of `step` (`lnfree.removal.losses.coverage`, settings `cov`), after the text's
+    gradients, their gradient capped at `max_grad_share` of the text's (`_capped_backward`; the uncapped
+    share in `cov_share`)."""
     device = s.accelerator.device
-    passes = (_evaluated(lambda micro=micro: objective.coverage(model, s.coverage_rows(step, micro).to(device)))
+    passes = (_evaluated(lambda micro=micro: objective.coverage(model, s.coverage_rows(step, micro, cov).to(device),
+                                                                cov))
               for micro in range(s.batches.accumulation))
-    return _capped_backward(s, model, passes, s.config.train.coverage.max_grad_share, "cov_share")
+    return _capped_backward(s, model, passes, cov.max_grad_share, "cov_share")
 
 
 def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],

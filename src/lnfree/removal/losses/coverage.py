@@ -15,15 +15,24 @@ vanilla control see the same rows. On them the model is trained
   against text rather than against the generated rows themselves.
 
 They run in a forward of their own with the norms' σ statistics paused, so σ stays a measure of text.
+
+**Replay.** One row per micro-step reaches some 5,600 of Gemma's 262,144 ids in a removal; the ids that
+still run away when repeated at its end are found by a short sweep over the whole vocabulary
+(`lnfree.evaluate.repeat_sweep`, `experiments/robust/mine_repeated.py`). `replay` lists such ids: a share
+`replay_share` of the repeated rows then repeats one of them instead of a uniform id. Like the other
+step-dependent losses, `train.coverage` may be a list of settings by `start`, so a run can add a replay
+list from a later step on.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lnfree.fixedscale.functional import second_moment
 
@@ -38,12 +47,27 @@ class Coverage(BaseModel):
     rows: int = Field(1, ge=1, description="generated sequences per micro-step")
     repeated_share: float = Field(0.5, ge=0, le=1, description="share of them that repeat one id; the rest are random ids")
     ratio: float = Field(2.0, gt=1, description="hinge on tokens above this many times real text's typical scale")
-    weight: float = Field(1.0, ge=0, description="the hinge's weight")
+    weight: float = Field(1.0, ge=0, description="the hinge's weight (0 turns the rows off, as every step-dependent "
+                          "loss's weight)")
     kl_weight: float = Field(1.0, ge=0, description="weight of the KL to the teacher on these rows (with distillation)")
     start: int = Field(0, ge=0, description="the first step with generated rows")
     max_grad_share: float | None = Field(
         None, gt=0, description="cap the rows' gradient at this share of the text's (by norm, per step), so that "
         "they never dominate an update that gradient clipping then shrinks; None: no cap")
+    replay: list[int] | None = Field(
+        None, description="ids to replay in the repeated rows: a list, or a JSON file whose `overflow` list holds "
+        "them (experiments/robust/mine_repeated.py; read when the config is, so the run config keeps the ids)")
+    replay_share: float = Field(0.5, ge=0, le=1, description="share of the repeated rows that repeat a `replay` id")
+
+    @field_validator("replay", mode="before")
+    @classmethod
+    def _read_replay(cls, value):
+        if isinstance(value, (str, Path)):
+            try:
+                value = json.loads(Path(value).read_text())["overflow"]
+            except (OSError, ValueError, KeyError) as err:
+                raise ValueError(f"replay: cannot read the `overflow` ids of {value}: {err}") from None
+        return value
 
 
 def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, context: int, vocab_size: int,
@@ -51,9 +75,13 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
     """The generated rows (rows, context) of one micro-step: a pure function of its arguments."""
     rng = np.random.default_rng([seed, _STREAM, step, micro_step, rank])
     rows = np.empty((coverage.rows, context), dtype=np.int64)
+    replay = coverage.replay
     for row in rows:
         if rng.random() < coverage.repeated_share:
-            row[:] = rng.integers(0, vocab_size)
+            if replay and rng.random() < coverage.replay_share:
+                row[:] = replay[rng.integers(0, len(replay))]
+            else:
+                row[:] = rng.integers(0, vocab_size)
         else:
             row[:] = rng.integers(0, vocab_size, context)
     if bos is not None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
-from lnfree.removal.losses.coverage import coverage_hinge, typical_log_scales
+from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
 from lnfree.removal.losses.distill import ce_and_kl_to_teacher
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed
 from lnfree.fixedscale.functional import second_moment
@@ -161,11 +161,10 @@ class Objective:
         terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
-    def coverage(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss, the `TERMS`) of the generated rows `input_ids` (`lnfree.removal.losses.coverage`), after a text
-        micro-batch: KL to the teacher and the hinge against that text's typical scales, no CE; the
-        norms' σ statistics paused."""
-        cov = self.train.coverage
+    def coverage(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss, the `TERMS`) of the generated rows `input_ids` (`lnfree.removal.losses.coverage`, settings
+        `cov`), after a text micro-batch: KL to the teacher and the hinge against that text's typical scales,
+        no CE; the norms' σ statistics paused."""
         bare = self.norm_inputs.model
         with surgery.statistics_paused(bare), self.norm_inputs.capturing():
             output = self._forward(model, input_ids, labels=False)
