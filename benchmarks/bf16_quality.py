@@ -9,7 +9,7 @@ within `--tolerance` (0.01 nats, the bar bf16 must clear before it becomes a CPU
 process CPU time of each run from its log. Writes benchmarks/results/bf16_quality.json / .txt.
 
     python benchmarks/bf16_quality.py [--presets tiny-distill,realtext-distill] [--threads N]
-    python benchmarks/bf16_quality.py --presets experiments/robust/gemma3.toml --no-control \
+    python benchmarks/bf16_quality.py --presets experiments/robust/gemma3_coverage.toml --no-control \
         --set removal.mode=vanilla --set train.max_steps=100 --out benchmarks/results/bf16_quality_gemma3-270m
 
 (a run cut short must be a vanilla one, or have a schedule that ends before it does)

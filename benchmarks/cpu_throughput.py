@@ -2,7 +2,7 @@
 in tokens per CPU-hour (issue 38).
 
 Runs `lnfree remove` itself (a subprocess per run, the same kind of process every time) on a run
-config (default: `experiments/robust/gemma3.toml`, Gemma 3 270M distilled from its teacher, with
+config (default: `experiments/robust/gemma3_coverage.toml`, Gemma 3 270M distilled from its teacher, with
 vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 `train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
@@ -145,7 +145,7 @@ def table(result: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=ROOT / "experiments/robust/gemma3.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "experiments/robust/gemma3_coverage.toml")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median")
     parser.add_argument("--rounds", type=int, default=2)

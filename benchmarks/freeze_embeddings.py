@@ -3,14 +3,14 @@
 
 A large-vocabulary model's tied embedding is most of its parameters (Gemma 3 270M: 168M of 268M):
 frozen, it needs no gradient for the head's weight and no AdamW state. This script runs `lnfree remove`
-on a run config (default: `experiments/robust/gemma3.toml` cut to `--set train.max_steps=100` in vanilla
+on a run config (default: `experiments/robust/gemma3_coverage.toml` cut to `--set train.max_steps=100` in vanilla
 mode, a removal's schedule being longer) once with the embedding frozen and once trained, everything else
 equal (seed, data order, precision: the config's unless `--set`), and prints the validation CE of both
 (the held-out CE of each run's summary: realtext's validation split), frozen − trained and whether it is
 within `--tolerance` (0.01 nats: the bar for making it the modern models' default), and each run's process
 CPU time. Writes benchmarks/results/freeze_embeddings_<config stem>.json / .txt.
 
-    python benchmarks/freeze_embeddings.py [--config experiments/robust/gemma3.toml] [--threads 1]
+    python benchmarks/freeze_embeddings.py [--config experiments/robust/gemma3_coverage.toml] [--threads 1]
         [--set removal.mode=vanilla --set train.max_steps=100 ...]
 """
 
@@ -30,7 +30,7 @@ PILOT = ["removal.mode=vanilla", "train.max_steps=100"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="experiments/robust/gemma3.toml")
+    parser.add_argument("--config", default="experiments/robust/gemma3_coverage.toml")
     parser.add_argument("--set", dest="settings", action="append", default=None, metavar="KEY=VALUE",
                         help=f"a setting for both runs (repeatable; default: {' '.join(PILOT)})")
     parser.add_argument("--tolerance", type=float, default=0.01)

@@ -112,7 +112,7 @@ def test_the_culprit_is_the_token_that_leaves_the_envelope_at_the_earliest_layer
 def test_the_repeated_sweep_reads_what_stress_reads_and_finds_a_planted_id(tiny_ln_free_export, tmp_path):
     from lnfree.data.documents import bos_token
     from lnfree.evaluate import load_models
-    from lnfree.evaluate.repeat_sweep import repeated_sweep
+    from lnfree.removal.mining import repeated_sweep
 
     limits = torch.tensor(run_stress([str(tiny_ln_free_export)], "tiny", **FAST).records[0].envelope)
     token = 40
@@ -144,8 +144,7 @@ def test_mining_writes_the_overflowing_ids_that_coverage_replays(tiny_ln_free_ex
         subprocess.run([sys.executable, str(script), str(bad), "--envelope", str(tmp_path / "stress.json"),
                         "--part", part, "--of", "4", "--fp32", "--out", str(out)], check=True, capture_output=True)
         mined[part] = json.loads(out.read_text())
-    assert set(mined["0,1"]["ids"]).isdisjoint(mined["2,3"]["ids"])
-    assert len(mined["0,1"]["ids"]) + len(mined["2,3"]["ids"]) == report.records[0].vocab_size
+    assert mined["0,1"]["swept"] + mined["2,3"]["swept"] == report.records[0].vocab_size
     found = [m["overflow"] for m in mined.values()]
     assert sorted(found[0] + found[1]) == [40]
     first = tmp_path / ("part0.json" if found[0] else "part2.json")
@@ -153,4 +152,32 @@ def test_mining_writes_the_overflowing_ids_that_coverage_replays(tiny_ln_free_ex
     again = tmp_path / "again.json"
     subprocess.run([sys.executable, str(script), str(tiny_ln_free_export), "--envelope", str(tmp_path / "stress.json"),
                     "--ids-from", str(first), "--out", str(again)], check=True, capture_output=True)
-    assert json.loads(again.read_text())["ids"] == [40] and json.loads(again.read_text())["overflow"] == []  # clean
+    assert json.loads(again.read_text())["swept"] == 1 and json.loads(again.read_text())["overflow"] == []  # clean
+
+
+
+class _Tokenizer:
+    bos_token_id = 0
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_without_bos_no_probe_row_starts_with_it():
+    from families import tiny_family
+
+    from lnfree.evaluate.stress import markdown, stress_models
+
+    model = tiny_family("gemma3")  # a family that reads BOS (id 0 here)
+    test_ids = torch.randint(1, 64, (4, 16))
+    counts = np.bincount(test_ids.reshape(-1).numpy(), minlength=64)
+    pages = {}
+    for with_bos in (True, False):
+        report = stress_models([("m", "m", model)], _Tokenizer(), test_ids, counts, context=16, repeated=8, vocab=32,
+                               with_bos=with_bos, settings={"dataset": "random", "with_bos": with_bos})
+        assert report.settings["bos"] == (0 if with_bos else None)
+        worst = report.records[0].worst
+        starts = {w["before"].split(" ")[0] for w in worst if w["part"] != "test" and w["position"] > 0 and w["before"]}
+        assert ("0" in starts) == with_bos or not starts
+        pages[with_bos] = markdown(report).splitlines()[0]
+    assert "no BOS" in pages[False] and "no BOS" not in pages[True]

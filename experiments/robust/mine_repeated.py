@@ -1,7 +1,7 @@
 """Mine the token ids that run away when repeated (issue 37, direction "vocabulary coverage and replay").
 
 Sweeps BOS + one id repeated to a short context over a seeded share of the vocabulary (or all of it)
-through the model's body (`lnfree.evaluate.repeat_sweep`) and writes, per id, its largest residual norm
+through the model's body (`lnfree.removal.mining`) and writes, per id, its largest residual norm
 over the model's envelope, taken from an earlier `lnfree stress` record of the same model:
 
     python experiments/robust/mine_repeated.py MODEL --envelope STRESS.json --part 0,1,2,3 --of 16 \
@@ -10,8 +10,8 @@ over the model's envelope, taken from an earlier `lnfree stress` record of the s
 `--part K --of N` cuts a seeded permutation of the vocabulary into N equal parts and sweeps parts K (a
 comma list): disjoint parts give a mined set and a held-out set of the same kind; `--ids-from MINED.json`
 sweeps only the ids an earlier mining found overflowing (did they stay so?). The JSON holds the
-settings, every swept id with its ratio, and `overflow`: the ids above `OVERFLOW_RATIO`, worst first,
-which `train.replay.ids` reads.
+settings, `overflow` (the ids above `OVERFLOW_RATIO`, worst first, which `train.coverage.replay` reads),
+the `TOP` highest ids with their ratio and quantiles of the rest (the swept ids follow from the settings).
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from tqdm.auto import tqdm
 
 from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
-from lnfree.evaluate.repeat_sweep import SWEEP_CONTEXT, repeated_sweep
-from lnfree.evaluate.stress import OVERFLOW_RATIO
+from lnfree.removal.mining import OVERFLOW_RATIO, SWEEP_CONTEXT, repeated_sweep, vocabulary_part
+
+#: How many of the highest ids the record lists with their ratio, and the quantiles it gives of all.
+TOP = 200
+QUANTILES = (0.5, 0.9, 0.99, 0.999)
 
 
-def swept_ids(vocab_size: int, parts: list[int], of: int, seed: int) -> np.ndarray:
-    """Parts `parts` of a seeded permutation of the vocabulary cut into `of` near-equal parts."""
-    chunks = np.array_split(np.random.default_rng(seed).permutation(vocab_size), of)
-    return np.concatenate([chunks[k] for k in parts])
+def _finite(value: float) -> float | str:
+    return value if np.isfinite(value) else "inf"
 
 
 def envelope_of(stress: Path, label: str | None) -> tuple[str, torch.Tensor]:
@@ -65,7 +66,7 @@ def main() -> None:
     if args.ids_from:
         ids = np.asarray(json.loads(args.ids_from.read_text())["overflow"], dtype=np.int64)
     else:
-        ids = swept_ids(model.vocab_size, [int(k) for k in args.part.split(",")], args.of, args.seed)
+        ids = vocabulary_part(model.vocab_size, [int(k) for k in args.part.split(",")], args.of, args.seed)
     start = time.process_time()
     with tqdm(total=len(ids), desc="repeated ids", unit="id") as bar:
         ratio = repeated_sweep(model.module, torch.from_numpy(ids), limits, bos=bos, context=args.context,
@@ -79,7 +80,8 @@ def main() -> None:
         "swept": len(ids), "overflow_ratio": OVERFLOW_RATIO, "n_overflow": len(over),
         "n_nonfinite": int((~ratio.isfinite()).sum()), "cpu_seconds": round(time.process_time() - start, 1),
         "overflow": over, "overflow_text": [model.tokenizer.decode([i]) for i in over[:200]],
-        "ids": ids.tolist(), "ratio": [r if np.isfinite(r) else "inf" for r in ratio.tolist()],
+        "ratio_quantiles": {str(q): float(np.quantile(ratio.numpy(), q)) for q in QUANTILES},
+        "top": [[int(ids[i]), _finite(float(ratio[i]))] for i in order[:TOP]],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record))

@@ -40,6 +40,7 @@ def stress(
     dtype: Annotated[str, typer.Option(help="fp32 or bf16 (an overflow check: fp32 unless you know why).")] = "fp32",
     form: Annotated[str, typer.Option(help="hf: lnfree's exact form; folded; plain: the file as transformers loads it.")] = "hf",
     seed: Annotated[int, typer.Option(help="Seed of the sweep's order and of ties among equally frequent ids.")] = 0,
+    bos: Annotated[bool, typer.Option("--bos/--no-bos", help="Start every sequence with BOS where the family reads one; --no-bos: never (what users who tokenise without special tokens feed it).")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier stress report in --out.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A progress bar per model.")] = True,
 ) -> None:
@@ -58,7 +59,7 @@ def stress(
             report = run_stress(models, dataset, labels=names, context=context, n_sequences=n_sequences,
                                 repeated=_count(repeated, "--repeated"), vocab=_count(vocab, "--vocab"),
                                 batch_size=batch_size, device=device, dtype=dtype, form=form, seed=seed,
-                                progress=progress)
+                                progress=progress, with_bos=bos)
     except (LnfreeError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)

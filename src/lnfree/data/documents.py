@@ -205,6 +205,7 @@ class TokenData:
     eot_token_id: int
     description: str
     stats: dict  # per split: tokens, documents and EOT tokens (documents None for a token stream)
+    bos_token_id: int | None = None  # the token every sequence starts with, where the family reads one
 
     @property
     def context_length(self) -> int:
@@ -322,7 +323,8 @@ def _token_data(train: np.ndarray, held_out: np.ndarray, context: int, eot: int,
     if bos_token_id is not None:
         description += f", each sequence {context - 1} tokens after BOS"
     return TokenData(_as_sequences(train, context, "train", bos_token_id, eot),
-                     _as_sequences(held_out, context, "held-out", bos_token_id, eot), eot, description, stats)
+                     _as_sequences(held_out, context, "held-out", bos_token_id, eot), eot, description, stats,
+                     bos_token_id)
 
 
 class StepBatches:

@@ -30,40 +30,14 @@ from lnfree.removal.config import load_preset
 from lnfree.data.documents import bos_token, prepare_data, tokenizer_fingerprint
 from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
 from lnfree.evaluate.models import load_models, resolve_device
+from lnfree.removal.mining import (  # noqa: F401 (stress's API too)
+    OVERFLOW_RATIO, repeated_sequences, residual_norms, residual_stream,
+)
 
-#: A residual norm this many times the model's own envelope at that layer is an overflow.
-OVERFLOW_RATIO = 10.0
 #: A token whose cross-entropy exceeds this (nats) counts as a failure on real text.
 CE_LIMIT = 30.0
 #: How many of the worst tokens each model's record lists.
 WORST = 20
-
-
-@torch.no_grad()
-def residual_stream(model: torch.nn.Module, ids: torch.Tensor, *, head: bool = True
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(residual stream [n_layers + 1, n, T, d]: the input of every block and of the final norm, logits
-    [n, T, V] as fp32) of one forward of a transformers model; without `head`, the body's forward alone
-    (`base_model`) and no logits."""
-    arch = architecture(model)
-    captured: list[torch.Tensor] = []
-    final = model.get_submodule(arch.final_norm)
-    handle = final.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
-    try:
-        out = (model if head else model.base_model)(
-            input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
-    finally:
-        handle.remove()
-    if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
-        raise RuntimeError(f"the final norm ran {len(captured)} times in one forward")
-    stream = torch.stack([*out.hidden_states[:arch.n_layers], captured[0]])
-    return stream, out.logits.float() if head else None
-
-
-def residual_norms(stream: torch.Tensor) -> torch.Tensor:
-    """The L2 norms of a residual stream [..., d] on the CPU, inf where non-finite."""
-    norms = torch.linalg.vector_norm(stream.float(), dim=-1).cpu()
-    return torch.where(norms.isfinite(), norms, torch.full_like(norms, math.inf))
 
 
 @dataclass
@@ -138,14 +112,6 @@ def repeated_probe_ids(counts: np.ndarray, n: int | None, seed: int = 0) -> np.n
     if n is None or n >= len(ranks):
         return ranks
     return ranks[np.unique(np.linspace(0, len(ranks) - 1, n).round().astype(int))]
-
-
-def repeated_sequences(ids: np.ndarray, context: int, bos: int | None) -> torch.Tensor:
-    """One row per id: BOS (if any) then the id repeated to `context` tokens."""
-    rows = torch.as_tensor(ids, dtype=torch.long)[:, None].repeat(1, context)
-    if bos is not None:
-        rows[:, 0] = bos
-    return rows
 
 
 def sweep_sequences(vocab_size: int, context: int, bos: int | None, n_ids: int | None, seed: int = 0) -> torch.Tensor:
@@ -307,13 +273,14 @@ class StressReport:
 def stress_models(
     labelled: Sequence[tuple[str, str, torch.nn.Module]], tokenizer, test_ids: torch.Tensor, counts: np.ndarray, *,
     context: int, repeated: int | None, vocab: int | None, seed: int = 0, batch_size: int = 8,
-    progress: bool = False, settings: dict | None = None,
+    progress: bool = False, settings: dict | None = None, with_bos: bool = True,
 ) -> StressReport:
     """`stress_model` on each (label, source, model) in turn, the first one's envelope the reference of
-    the growth; `counts` (token frequencies of the training text) choose the repeated-token ids."""
+    the growth; `counts` (token frequencies of the training text) choose the repeated-token ids. Probe
+    rows start with BOS where the family reads one, unless `with_bos` is False."""
     model = labelled[0][2]
     vocab_size = int(model.config.vocab_size)
-    bos = tokenizer.bos_token_id if architecture(model).prepends_bos else None
+    bos = tokenizer.bos_token_id if architecture(model).prepends_bos and with_bos else None
     if len(counts) != vocab_size:
         raise ValueError(f"{len(counts)} token counts for a vocabulary of {vocab_size}")
     probe_ids = repeated_probe_ids(counts, repeated, seed)
@@ -351,9 +318,12 @@ def run_stress(
     sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, context: int = 128,
     n_sequences: int | None = None, repeated: int | None = 512, vocab: int | None = 8192, batch_size: int = 8,
     device: str = "auto", dtype: str = "fp32", form: str = "hf", seed: int = 0, progress: bool = False,
+    with_bos: bool = True,
 ) -> StressReport:
     """Load the models (`lnfree.evaluate.load_models`), read the dataset's whole test split (or its first
-    `n_sequences`) and `stress_models` them on identical inputs. `repeated` / `vocab` None: every id."""
+    `n_sequences`) and `stress_models` them on identical inputs. `repeated` / `vocab` None: every id.
+    `with_bos` False: no sequence starts with BOS, even for a family that reads one (what a user who
+    tokenises without special tokens feeds it)."""
     spec = resolve_dataset(dataset)
     models = load_models(sources, labels, form=form, dtype=dtype)
     if len({tokenizer_fingerprint(m.tokenizer) for m in models}) > 1:
@@ -364,7 +334,7 @@ def run_stress(
             raise EvalError(f"context {context} exceeds {m.label}'s n_positions ({m.n_positions}); pass --context")
     target = resolve_device(device)
     vocab_size = min(m.vocab_size for m in models)
-    bos = bos_token(first.module.config, first.tokenizer)
+    bos = bos_token(first.module.config, first.tokenizer) if with_bos else None
     test_ids = torch.from_numpy(load_sequences(spec, first.tokenizer, context=context, n_sequences=n_sequences,
                                                vocab_size=vocab_size, progress=progress, bos_token_id=bos))
     counts, counted = training_counts(spec, first.tokenizer, test_ids, context, vocab_size, bos)
@@ -372,15 +342,16 @@ def run_stress(
     settings = {"dataset": spec.name, "dataset_description": spec.description, "frequencies_from": counted,
                 "form": form, "dtype": dtype, "device": str(target), "batch_size": batch_size,
                 "repeated_requested": "all" if repeated is None else repeated,
-                "vocab_requested": "all" if vocab is None else vocab}
+                "vocab_requested": "all" if vocab is None else vocab, "with_bos": with_bos}
     return stress_models(labelled, first.tokenizer, test_ids, counts, context=context, repeated=repeated,
-                         vocab=vocab, seed=seed, batch_size=batch_size, progress=progress, settings=settings)
+                         vocab=vocab, seed=seed, batch_size=batch_size, progress=progress, settings=settings,
+                         with_bos=with_bos)
 
 
 def markdown(report: StressReport) -> str:
     """The report as a short markdown page: one row per model, then each model's worst tokens."""
     s = report.settings
-    lines = [f"# Stress test ({s['dataset']}, context {s['context']}, overflow: a non-finite logit or a residual "
+    lines = [f"# Stress test ({s['dataset']}, context {s['context']}{'' if s.get('with_bos', True) else ', no BOS'}, overflow: a non-finite logit or a residual "
              f"norm > {s['overflow_ratio']:g}× the model's own test-split maximum at that layer)", "",
              "| model | test: non-finite seqs | test: tokens > 30 nats | test: overflow tokens | test CE | "
              "repeated: overflow / probes | vocab: overflow tokens (seqs) / ids covered | max growth vs first | "

@@ -26,8 +26,9 @@ PARTIAL = ".partial-"
 EXPORT = "export"
 CONTROL = "control"
 SUMMARY = "summary.json"
+MINED = "mined_ids.json"  # the ids `train.coverage.mine` found, by the step its setting started
 #: What lnfree writes in a run folder ("lnfree": the trackers' logs); --overwrite removes only these.
-RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, LOG, START, SUMMARY, EXPORT, CONTROL, "lnfree")
+RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, LOG, START, SUMMARY, EXPORT, CONTROL, MINED, "lnfree")
 
 
 def checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:

@@ -18,10 +18,11 @@ They run in a forward of their own with the norms' σ statistics paused, so σ s
 
 **Replay.** One row per micro-step reaches some 5,600 of Gemma's 262,144 ids in a removal; the ids that
 still run away when repeated at its end are found by a short sweep over the whole vocabulary
-(`lnfree.evaluate.repeat_sweep`, `experiments/robust/mine_repeated.py`). `replay` lists such ids: a share
-`replay_share` of the repeated rows then repeats one of them instead of a uniform id. Like the other
-step-dependent losses, `train.coverage` may be a list of settings by `start`, so a run can add a replay
-list from a later step on.
+(`lnfree.removal.mining`, `experiments/robust/mine_repeated.py`). `replay` lists such ids: a share
+`replay_share` of the repeated rows then repeats one of them instead of a uniform id. With `mine`, the run
+itself sweeps a part of the vocabulary when the setting starts and replays what it finds (kept in the
+run folder's `mined_ids.json`). Like the other step-dependent losses, `train.coverage` may be a list of
+settings by `start`, so a run can mine and replay from a later step on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lnfree.fixedscale.functional import second_moment
+from lnfree.removal.mining import Mining
 
 #: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
 _STREAM = 7919
@@ -58,6 +60,9 @@ class Coverage(BaseModel):
         None, description="ids to replay in the repeated rows: a list, or a JSON file whose `overflow` list holds "
         "them (experiments/robust/mine_repeated.py; read when the config is, so the run config keeps the ids)")
     replay_share: float = Field(0.5, ge=0, le=1, description="share of the repeated rows that repeat a `replay` id")
+    mine: Mining | None = Field(
+        None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
+        "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
 
     @field_validator("replay", mode="before")
     @classmethod
@@ -71,11 +76,12 @@ class Coverage(BaseModel):
 
 
 def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, context: int, vocab_size: int,
-                 bos: int | None, seed: int) -> torch.Tensor:
-    """The generated rows (rows, context) of one micro-step: a pure function of its arguments."""
+                 bos: int | None, seed: int, replay: list[int] | None = None) -> torch.Tensor:
+    """The generated rows (rows, context) of one micro-step: a pure function of its arguments. `replay`:
+    the ids to replay (default: the setting's own `replay` list)."""
     rng = np.random.default_rng([seed, _STREAM, step, micro_step, rank])
     rows = np.empty((coverage.rows, context), dtype=np.int64)
-    replay = coverage.replay
+    replay = coverage.replay if replay is None else replay
     for row in rows:
         if rng.random() < coverage.repeated_share:
             if replay and rng.random() < coverage.replay_share:

@@ -1,0 +1,157 @@
+"""Which token ids run away when repeated: a short repeated-id sweep over (part of) a vocabulary.
+
+`lnfree stress` probes a few hundred repeated ids at the full context with every logit; a 262,144-id
+vocabulary would take hours that way. A runaway on a repeated id shows within a few repeats (on the
+Gemma 3 270M LN-free checkpoints measured, the ids that overflow at 64 tokens already do at 6–8), and
+the overflow measure reads only the residual stream, so this sweep runs BOS and the id repeated to a
+short context through the model's body alone (no head: Gemma's 640 × 262,144 unembedding is most of
+its forward) and records per id its largest residual norm over the model's *envelope* (per layer, the
+largest norm it reaches on real text; inf where a value is non-finite). An id overflows above
+`OVERFLOW_RATIO`, as in `lnfree stress`.
+
+During a removal, `train.coverage.mine` (`Mining`) runs such a sweep when its coverage setting starts
+and replays the ids it finds (`lnfree.removal.losses.coverage`); `experiments/robust/mine_repeated.py`
+runs it on a saved model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from lnfree.arch import architecture
+
+#: A residual norm this many times the model's own envelope at that layer is an overflow.
+OVERFLOW_RATIO = 10.0
+#: Tokens per swept row (BOS included): long enough for the runaways seen at 64 tokens.
+SWEEP_CONTEXT = 8
+
+
+class Mining(BaseModel):
+    """A repeated-id sweep of one part of the vocabulary when a coverage setting starts (`train.coverage.mine`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    part: int = Field(0, ge=0, description="which part of the vocabulary to sweep")
+    of: int = Field(4, ge=1, description="the vocabulary cut into this many parts (a permutation seeded by train.seed)")
+    context: int = Field(SWEEP_CONTEXT, ge=2, description="tokens per swept row, BOS included")
+    batch_size: int = Field(256, ge=1, description="rows per forward pass")
+
+
+@torch.no_grad()
+def residual_stream(model: torch.nn.Module, ids: torch.Tensor, *, head: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(residual stream [n_layers + 1, n, T, d]: the input of every block and of the final norm, logits
+    [n, T, V] as fp32) of one forward of a transformers model; without `head`, the body's forward alone
+    (`base_model`) and no logits."""
+    arch = architecture(model)
+    captured: list[torch.Tensor] = []
+    final = model.get_submodule(arch.final_norm)
+    handle = final.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    try:
+        out = (model if head else model.base_model)(
+            input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
+        raise RuntimeError(f"the final norm ran {len(captured)} times in one forward")
+    stream = torch.stack([*out.hidden_states[:arch.n_layers], captured[0]])
+    return stream, out.logits.float() if head else None
+
+
+def residual_norms(stream: torch.Tensor) -> torch.Tensor:
+    """The L2 norms of a residual stream [..., d] on the CPU, inf where non-finite."""
+    norms = torch.linalg.vector_norm(stream.float(), dim=-1).cpu()
+    return torch.where(norms.isfinite(), norms, torch.full_like(norms, math.inf))
+
+
+def repeated_sequences(ids: np.ndarray, context: int, bos: int | None) -> torch.Tensor:
+    """One row per id: BOS (if any) then the id repeated to `context` tokens."""
+    rows = torch.as_tensor(ids, dtype=torch.long)[:, None].repeat(1, context)
+    if bos is not None:
+        rows[:, 0] = bos
+    return rows
+
+
+def vocabulary_part(vocab_size: int, parts: list[int], of: int, seed: int) -> np.ndarray:
+    """Parts `parts` of a seeded permutation of the vocabulary cut into `of` near-equal parts."""
+    if not all(0 <= k < of for k in parts):
+        raise ValueError(f"parts {parts} of {of}: each must be in 0..{of - 1}")
+    chunks = np.array_split(np.random.default_rng(seed).permutation(vocab_size), of)
+    return np.concatenate([chunks[k] for k in parts])
+
+
+def text_envelope(model: torch.nn.Module, ids: torch.Tensor, *, batch_size: int = 8, bf16: bool = False) -> torch.Tensor:
+    """Per layer, the largest residual norm over the rows of real text `ids` whose norms are all finite
+    (the body only: `lnfree stress` also leaves out rows with a token above 30 nats)."""
+    norms = torch.cat([_norms(model, rows, bf16) for rows in ids.split(batch_size)], dim=1)
+    sane = norms.isfinite().all(dim=0).all(dim=1)
+    return norms[:, sane].flatten(1).amax(dim=1) if sane.any() else torch.zeros(norms.shape[0])
+
+
+def repeated_sweep(model: torch.nn.Module, ids: torch.Tensor, limits: torch.Tensor, *, bos: int | None,
+                   context: int = SWEEP_CONTEXT, batch_size: int = 256, bf16: bool = False,
+                   progress=None) -> torch.Tensor:
+    """Per id of `ids`, the largest residual norm over `limits` (one per layer) of BOS and the id repeated
+    to `context` tokens: inf where a value is non-finite. `bf16`: under bf16 autocast (the same verdicts
+    on the checkpoints measured, about 2× faster on a CPU with native bf16)."""
+    worst = []
+    for start in range(0, len(ids), batch_size):
+        rows = repeated_sequences(ids[start:start + batch_size].numpy(), context, bos)
+        worst.append((_norms(model, rows, bf16) / limits.clamp_min(1e-30)[:, None, None]).amax(dim=(0, 2)))
+        if progress is not None:
+            progress.update(len(rows))
+    return torch.cat(worst) if worst else torch.zeros(0)
+
+
+def _norms(model: torch.nn.Module, rows: torch.Tensor, bf16: bool) -> torch.Tensor:
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
+        stream, _ = residual_stream(model, rows, head=False)
+    return residual_norms(stream)
+
+
+def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int | None, seed: int,
+         rank: int = 0, world: int = 1, bf16: bool = False) -> tuple[list[int], int]:
+    """(the ids of `mining`'s part that overflow when repeated, worst first; how many this process swept):
+    this process's share (every `world`-th id from `rank`) against the envelope of the real-text rows
+    `text`, in eval mode and without gradients."""
+    was_training = model.training
+    model.eval()
+    try:
+        limits = text_envelope(model, text, bf16=bf16)
+        ids = vocabulary_part(int(model.config.vocab_size), [mining.part], mining.of, seed)[rank::world]
+        ratio = repeated_sweep(model, torch.from_numpy(ids), limits, bos=bos, context=mining.context,
+                               batch_size=mining.batch_size, bf16=bf16)
+    finally:
+        model.train(was_training)
+    order = np.argsort(-ratio.numpy(), kind="stable")
+    return [int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO], len(ids)
+
+
+class MinedIds:
+    """The ids each `train.coverage` setting with `mine` found, by the step it started, kept in the run folder."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        found = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.found: dict[int, list[int]] = {int(step): ids for step, ids in found.items()}
+
+    def replay(self, coverage) -> list[int] | None:
+        """A coverage setting's replay ids: its own `replay` list and, if it mines, every id found by a mining
+        setting that started no later; None when it neither lists nor mines."""
+        if coverage.mine is None:
+            return coverage.replay
+        mined = [i for start, ids in sorted(self.found.items()) if start <= coverage.start for i in ids]
+        return list(dict.fromkeys([*(coverage.replay or []), *mined]))
+
+    def add(self, start: int, ids: list[int], write: bool) -> None:
+        """Record what the setting that starts at `start` found (and write the file, on the main process)."""
+        self.found[start] = sorted(ids)
+        if write:
+            self.path.write_text(json.dumps({str(k): v for k, v in sorted(self.found.items())}))

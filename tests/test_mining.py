@@ -1,0 +1,82 @@
+"""`lnfree.removal.mining`: the repeated-id sweep a run uses to find ids to replay (`train.coverage.mine`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import torch
+
+from lnfree.removal.config import with_overrides
+from lnfree.removal.losses.coverage import Coverage
+from lnfree.removal.mining import MinedIds, Mining, mine, text_envelope, vocabulary_part
+from lnfree.removal.train import run
+
+
+def test_parts_of_the_vocabulary_are_disjoint_and_cover_it():
+    parts = [set(vocabulary_part(103, [k], 4, seed=0).tolist()) for k in range(4)]
+    assert set().union(*parts) == set(range(103)) and sum(map(len, parts)) == 103
+    assert set(vocabulary_part(103, [0, 1], 4, seed=0).tolist()) == parts[0] | parts[1]
+    assert set(vocabulary_part(103, [0], 4, seed=1).tolist()) != parts[0]
+
+
+def test_a_setting_replays_its_own_list_and_what_it_and_earlier_settings_mined(tmp_path):
+    mined = MinedIds(tmp_path / "mined.json")
+    mined.add(10, [7, 3], write=True)
+    mined.add(20, [9], write=True)
+    again = MinedIds(tmp_path / "mined.json")  # a resumed run reads the file
+    assert again.found == {10: [3, 7], 20: [9]}
+    assert again.replay(Coverage(start=15, mine=Mining(), replay=[1])) == [1, 3, 7]
+    assert again.replay(Coverage(start=20, mine=Mining())) == [3, 7, 9]
+    assert again.replay(Coverage(start=30, replay=[5])) == [5]  # lists, does not mine: its own list only
+    assert again.replay(Coverage(start=30)) is None
+
+
+def test_mining_finds_an_id_planted_to_run_away_when_repeated(run_config):
+    from lnfree.models.base import load_base
+
+    model, _ = load_base(run_config().model)
+    text = torch.randint(0, model.config.vocab_size, (4, 16))
+    assert text_envelope(model, text).shape == (model.config.n_layer + 1,)
+    clean, swept = mine(model, Mining(of=1), text, bos=None, seed=0)
+    assert swept == model.config.vocab_size
+    with torch.no_grad():
+        model.transformer.wte.weight[11] *= 1e3
+    found, _ = mine(model, Mining(of=1), text, bos=None, seed=0)
+    assert 11 in found and 11 not in clean
+    halves = [mine(model, Mining(of=1), text, bos=None, seed=0, rank=r, world=2) for r in range(2)]
+    assert sorted(halves[0][0] + halves[1][0]) == sorted(found) and halves[0][1] + halves[1][1] == swept
+
+
+def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_resume(run_config):
+    cov = {"rows": 2, "ratio": 1.2, "start": 0, "max_grad_share": 0.3}
+    mining = {**cov, "start": 4, "repeated_share": 1.0, "replay_share": 1.0, "mine": {"of": 2, "part": 1}}
+    config = with_overrides(run_config(max_steps=12, save_every=6), {
+        "train.coverage": [cov, mining], "train.distill_alpha": 0.5, "train.eval_every": 0})
+    out = run(config, progress=False).output_dir
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    mines = [r for r in lines if r.get("event") == "mine"]
+    vocab = json.loads((out / "checkpoints" / "step_000006" / "config.json").read_text())["vocab_size"]
+    assert len(mines) == 1 and mines[0]["step"] == 4
+    assert mines[0]["swept"] == len(vocabulary_part(vocab, [1], 2, seed=config.train.seed))
+    found = json.loads((out / "mined_ids.json").read_text())
+    assert list(found) == ["4"] and len(found["4"]) == mines[0]["overflow"]
+    for later in ("step_000012",):
+        shutil.rmtree(out / "checkpoints" / later)
+    run(config, resume=True, progress=False)
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert len([r for r in lines if r.get("event") == "mine"]) == 1  # resumed after step 4: not mined again
+    assert np.isfinite([r["cov_kl"] for r in lines if "cov_kl" in r]).all()
+
+
+def test_a_vanilla_control_skips_the_sweep(run_config):
+    cov = {"rows": 1, "start": 0}
+    config = with_overrides(run_config(max_steps=6), {
+        "train.coverage": [cov, {**cov, "start": 2, "mine": {"of": 1}}], "removal.mode": "vanilla",
+        "train.distill_alpha": 0.5, "train.eval_every": 0})
+    out = run(config, progress=False).output_dir
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r.get("event") == "mine"] == [
+        {"event": "mine", "step": 2, "skipped": "vanilla: every norm is real"}]
+    assert json.loads((out / "mined_ids.json").read_text()) == {"2": []}
