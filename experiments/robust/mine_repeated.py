@@ -11,7 +11,7 @@ over the model's envelope, taken from an earlier `lnfree stress` record of the s
 comma list): disjoint parts give a mined set and a held-out set of the same kind; `--ids-from MINED.json`
 sweeps only the ids an earlier mining found overflowing (did they stay so?). The JSON holds the
 settings, `overflow` (the ids above `OVERFLOW_RATIO`, worst first, which `train.coverage.replay` reads),
-the `TOP` highest ids with their ratio and quantiles of the rest (the swept ids follow from the settings).
+the `TOP` highest ids with their ratio and quantiles of the finite ratios (the swept ids follow from the settings).
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ from lnfree.removal.mining import OVERFLOW_RATIO, SWEEP_CONTEXT, repeated_sweep,
 #: How many of the highest ids the record lists with their ratio, and the quantiles it gives of all.
 TOP = 200
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
+
+
+def _quantiles(ratio: np.ndarray) -> dict[str, float]:
+    """`QUANTILES` of the finite ratios (a runaway id's is inf)."""
+    finite = ratio[np.isfinite(ratio)]
+    return {str(q): float(np.quantile(finite, q)) for q in QUANTILES} if len(finite) else {}
 
 
 def _finite(value: float) -> float | str:
@@ -80,7 +86,7 @@ def main() -> None:
         "swept": len(ids), "overflow_ratio": OVERFLOW_RATIO, "n_overflow": len(over),
         "n_nonfinite": int((~ratio.isfinite()).sum()), "cpu_seconds": round(time.process_time() - start, 1),
         "overflow": over, "overflow_text": [model.tokenizer.decode([i]) for i in over[:200]],
-        "ratio_quantiles": {str(q): float(np.quantile(ratio.numpy(), q)) for q in QUANTILES},
+        "finite_ratio_quantiles": _quantiles(ratio.numpy()),
         "top": [[int(ids[i]), _finite(float(ratio[i]))] for i in order[:TOP]],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
