@@ -159,3 +159,20 @@ def test_the_card_links_the_base_model_only_when_it_is_a_hub_id(export, tmp_path
         text = build_card(export, "user/x", verify(export, bridge=False)).text
         assert ("https://huggingface.co/" + model in text) == linked, model
         assert f"A LayerNorm-free version of {'[' if linked else '`'}{model}" in text
+
+
+def test_the_card_asks_for_bos_only_where_the_family_reads_one(export, tmp_path):
+    from families import tiny_family
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from lnfree.forms.hub import _bos_text
+
+    assert _bos_text(export) is None
+    assert "Start every input with" not in build_card(export, "user/x", verify(export, bridge=False)).text
+    folder = tmp_path / "gemma"
+    tiny_family("gemma3").config.save_pretrained(folder)
+    vocab = {"<pad>": 0, "<bos>": 1, "a": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                            bos_token="<bos>").save_pretrained(folder)
+    assert _bos_text(folder) == "<bos>"

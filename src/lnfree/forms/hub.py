@@ -16,6 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
+from lnfree.arch import architecture
 from lnfree.errors import LnfreeError
 from lnfree.forms.export import EPS_TRICK_EPS, RECORD
 from lnfree.models.base import HUB_IDS
@@ -46,7 +47,10 @@ reproduces the LN-free model. The config's eps is {{ eps }} too, for loaders tha
 - **Any dtype: lnfree.** `lnfree.load` reads every σ in fp32, removes the √eps factor and only then
   casts; it also gives the exactly LN-free folded weights and a TransformerLens bridge.
 - `lnfree verify {{ repo_id }}` checks a download against the fingerprint recorded at export.
-
+{% if bos %}- **Start every input with `{{ bos }}`.** The fine-tuning only ever showed BOS at position 0 (the
+  attention sink): without it an LN-free model of this family can overflow where the original stays
+  bounded (`lnfree stress --no-bos` measures it). The tokenizer and TransformerLens prepend it by default.
+{% endif %}
 ```python
 import torch
 from transformers import AutoModelForCausalLM
@@ -178,7 +182,17 @@ def build_card(export_dir: Path, repo_id: str, report: dict, eval_reports: list[
         summary=summary, model_class=(model_config.get("architectures") or ["a transformers model"])[0],
         eps=f"{eps:.0e}", exact_below=f"{2.0 ** (math.floor(math.log2(eps)) - 24):.3g}",
         peak="not recorded" if peak is None else f"{peak:.3g}",
+        bos=_bos_text(export_dir),
     )
+
+
+def _bos_text(export_dir: Path) -> str | None:
+    """The BOS token every input must start with, for a family that reads one (else None)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not architecture(AutoConfig.from_pretrained(export_dir)).prepends_bos:
+        return None
+    return AutoTokenizer.from_pretrained(export_dir).bos_token
 
 
 def prepare_folder(export_dir: str | Path, repo_id: str, out: str | Path, eval_reports: list[Path] = ()) -> Path:
