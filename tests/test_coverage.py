@@ -123,3 +123,15 @@ def test_a_replay_list_may_join_the_coverage_of_a_resumed_run_from_its_checkpoin
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert {"event": "amend", "step": 4, "changed": ["train.coverage"]} in lines
     assert [r for r in lines if r.get("step") == 12 and "cov_kl" in r][-1]["cov_kl"] > 0
+
+
+def test_a_share_of_the_rows_may_start_without_bos():
+    args = {"context": 8, "vocab_size": 1000, "bos": 3, "seed": 0}
+    plain = coverage_ids(Coverage(rows=200), 4, 0, 0, **args)
+    assert (plain[:, 0] == 3).all()
+    mixed = coverage_ids(Coverage(rows=200, no_bos_share=0.5), 4, 0, 0, **args)
+    without = mixed[:, 0] != 3
+    assert 0.35 < float(without.float().mean()) < 0.65
+    assert torch.equal(mixed[:, 1:], plain[:, 1:])  # the same rows otherwise
+    repeated = (mixed[:, 1:] == mixed[:, 1:2]).all(dim=1) & without
+    assert (mixed[repeated, 0] == mixed[repeated, 1]).all()  # a repeated row without BOS repeats from position 0

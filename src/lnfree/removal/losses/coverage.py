@@ -60,6 +60,9 @@ class Coverage(BaseModel):
         None, description="ids to replay in the repeated rows: a list, or a JSON file whose `overflow` list holds "
         "them (experiments/robust/mine_repeated.py; read when the config is, so the run config keeps the ids)")
     replay_share: float = Field(0.5, ge=0, le=1, description="share of the repeated rows that repeat a `replay` id")
+    no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
+                                "family that reads one; its first token is then the row's own id): users who "
+                                "tokenise without special tokens feed such input")
     mine: Mining | None = Field(
         None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
         "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
@@ -91,7 +94,8 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
         else:
             row[:] = rng.integers(0, vocab_size, context)
     if bos is not None:
-        rows[:, 0] = bos
+        with_bos = rng.random(len(rows)) >= coverage.no_bos_share if coverage.no_bos_share > 0 else slice(None)
+        rows[with_bos, 0] = bos
     return torch.from_numpy(rows)
 
 
