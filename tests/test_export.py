@@ -202,3 +202,17 @@ def test_comparing_logits_counts_a_non_finite_logit_as_an_infinite_difference():
         assert measured["max_abs_diff"] == measured["max_scaled_diff"] == math.inf and not within(measured, 1e-4)
     large = compare_logits(const(100.005), const(100.0), ids)  # fp32 rounds relative to a logit's size
     assert large["max_abs_diff"] > 1e-4 and within(large, 1e-4) and not within(large, 1e-5)
+
+
+def test_probe_rows_without_bos_say_so_for_a_family_that_reads_one(tokenizer):
+    from families import tiny_family
+
+    from lnfree.removal.losses.probe import _bos, probe_rows
+
+    for family, reads_bos in (("gpt2", False), ("gemma3", True)):
+        config = tiny_family(family, vocab_size=600, eos_token_id=0).config
+        rows, kinds = probe_rows(config, tokenizer)
+        bos = _bos(config, tokenizer)
+        assert bos is not None and any(row[0] == bos for row in rows.tolist())
+        for row, kind in zip(rows.tolist(), kinds):
+            assert ("no BOS first" in kind) == (reads_bos and row[0] != bos), (family, kind)

@@ -73,6 +73,7 @@ def probe_rows(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, 
     Rows: `text_ids` (real text, cut to L; L is their length when given), `n_random` seeded random
     rows, the same with BOS first, and for every special token s: [s, s, s, …] and [BOS, s, s, …],
     and [BOS, t, t, …] for a few random t (repeated tokens at positions 1–2); random ids fill the rest.
+    For a family that reads BOS, the kind of a row that does not start with it says so.
     """
     if text_ids is not None:
         length = text_ids.shape[1]
@@ -80,7 +81,10 @@ def probe_rows(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, 
     specials, bos = special_ids(config, tokenizer), _bos(config, tokenizer)
     repeated = sample_tokens(config.vocab_size, 1, 4, 1, seed + 1)[:, 0].tolist()
     name = (lambda t: repr(tokenizer.decode([t]))) if tokenizer is not None else str  # noqa: E731
-    starts = [([s, s, s], f"special token {name(s)} three times, then random ids") for s in specials]
+    reads_bos = bos is not None and architecture(config).prepends_bos
+    no_bos = " (no BOS first)" if reads_bos else ""  # outside the input a BOS-reading family expects
+    starts = [([s, s, s], f"special token {name(s)} three times, then random ids{no_bos if s != bos else ''}")
+              for s in specials]
     if bos is not None:
         starts += [([bos], "BOS, then random ids")] * n_random
         starts += [([bos, s, s], f"BOS, special token {name(s)} twice, then random ids") for s in specials]
@@ -89,7 +93,7 @@ def probe_rows(config, tokenizer=None, *, text_ids: torch.Tensor | None = None, 
     for row, (start, _) in zip(rows[n_random:], starts):
         width = min(len(start), length)
         row[:width] = torch.tensor(start[:width])
-    kinds = ["random ids"] * n_random + [kind for _, kind in starts]
+    kinds = [f"random ids{no_bos}"] * n_random + [kind for _, kind in starts]
     if text_ids is None:
         return rows, kinds
     return torch.cat([text_ids[:, :length].long(), rows]), ["real text"] * len(text_ids) + kinds
