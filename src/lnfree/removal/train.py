@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -41,15 +41,16 @@ from lnfree.arch.base import Architecture
 from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import Coverage, cap_share, coverage_ids, gradients
+from lnfree.removal.losses.coverage import Coverage, cap_share, gradients
 from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.removal.launch import make_accelerator, quiet_libraries
-from lnfree.removal.layout import LOG, MINED, START, TOKENIZER
-from lnfree.removal.losses.massive import Damping, find_massive_neurons, pieces, tail_at
+from lnfree.removal.layout import LOG, START, TOKENIZER
+from lnfree.removal.losses.massive import Damping, find_massive_neurons, tail_at
 from lnfree.models.base import load_base
 from lnfree.removal.losses.neuron_range import neuron_ranges
-from lnfree.removal.mining import MinedIds, mine
+from lnfree.removal.generated import coverage_rows, mine_if_due
+from lnfree.removal.mining import MinedIds
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
@@ -133,7 +134,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     clock = _Clock(seconds_before, cpu_before)
     for step in bar:
         removal.before_step(bare, step, s.log)
-        _mine_if_due(s, bare, step, removal.ceiling_now)
+        mine_if_due(s.config, s.accelerator, s.data, s.mined, s.log, bare, step, removal.ceiling_now,
+                    bf16=s.precision == "bf16")
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -231,49 +233,8 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
     held_out = HeldOut(model, model, data, config.data.eval_sequences, micro_batch, autocast, scale_probe,
                        accelerator.device, scored)
     return _Setup(config, accelerator, model, arch, events, data, batches, loader, held_out, log, teacher, autocast,
-                  precision, momentum, steady, amended, *_coverage_rows(config, accelerator.process_index, context,
-                                                                        model, tokenizer))
-
-
-def _coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, tokenizer):
-    """((step, micro-step, the settings on) → this rank's generated rows of `train.coverage`, or None when it
-    is off; the ids mined so far)."""
-    coverage, mined = config.train.coverage, MinedIds(Path(config.output_dir) / MINED)
-    if coverage is None:
-        return None, mined
-    bos, vocab = bos_token(model, tokenizer), model.config.vocab_size
-    outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
-    if outside:
-        raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
-    return (lambda step, micro, cov: coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
-                                                  seed=config.train.seed, replay=mined.replay(cov))), mined
-
-
-def _mine_if_due(s: _Setup, bare: nn.Module, step: int, ceiling_now: float | None) -> None:
-    """Run the repeated-id sweep of the coverage setting on at `step` if it mines and has not yet
-    (`lnfree.removal.mining`): on the model as it will be exported (no scale ceiling), its share on each
-    process, against the envelope of the held-out sequences; record the ids in the run folder."""
-    coverage = tail_at(s.config.train.coverage, step)
-    if coverage is None or coverage.mine is None or coverage.start in s.mined.found:
-        return
-    if s.config.removal.mode == "vanilla":  # every norm real: nothing runs away, an hour's sweep would find nothing
-        s.mined.add(coverage.start, [], write=s.accelerator.is_main_process)
-        s.log({"event": "mine", "step": step, "skipped": "vanilla: every norm is real"})
-        return
-    accelerator, started = s.accelerator, time.process_time()
-    guarded = ceiling_now is not None and not math.isinf(ceiling_now)
-    if guarded:
-        set_ceiling(bare, math.inf)
-    text = s.data.eval_batch(s.config.data.eval_sequences)
-    ids, swept = mine(bare, coverage.mine, text, bos=s.data.bos_token_id, seed=s.config.train.seed,
-                      rank=accelerator.process_index, world=accelerator.num_processes, bf16=s.precision == "bf16")
-    if guarded:
-        set_ceiling(bare, ceiling_now)
-    ids = gather_object(ids) if accelerator.num_processes > 1 else ids
-    s.mined.add(coverage.start, ids, write=accelerator.is_main_process)
-    s.log({"event": "mine", "step": step, "part": coverage.mine.part, "of": coverage.mine.of,
-           "swept": swept * accelerator.num_processes, "overflow": len(ids),
-           "cpu_seconds": round(time.process_time() - started, 1)})
+                  precision, momentum, steady, amended, *coverage_rows(config, accelerator.process_index, context,
+                                                                       model, tokenizer))
 
 
 def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn.Module,

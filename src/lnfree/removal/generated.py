@@ -1,0 +1,67 @@
+"""A run's generated coverage rows (`train.coverage`) and the repeated-id sweep that feeds their replay.
+
+`coverage_rows` gives the training loop, per (step, micro-step, setting on), this process's rows
+(`lnfree.removal.losses.coverage.coverage_ids`) with the ids to replay; `mine_if_due` runs a setting's
+sweep (`lnfree.removal.mining`) once, when it starts, and keeps what it finds in the run folder.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch import nn
+
+from lnfree.data.documents import TokenData, bos_token
+from lnfree.fixedscale.ceiling import set_ceiling
+from lnfree.removal.config import RunConfig
+from lnfree.removal.layout import MINED
+from lnfree.removal.losses.coverage import coverage_ids
+from lnfree.removal.losses.massive import pieces, tail_at
+from lnfree.removal.mining import MinedIds, mine
+from lnfree.removal.resolve import RunError
+
+
+def coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, tokenizer):
+    """((step, micro-step, the settings on) → this rank's generated rows of `train.coverage`, or None when it
+    is off; the ids mined so far)."""
+    coverage, mined = config.train.coverage, MinedIds(Path(config.output_dir) / MINED)
+    if coverage is None:
+        return None, mined
+    bos, vocab = bos_token(model, tokenizer), model.config.vocab_size
+    outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
+    if outside:
+        raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
+    return (lambda step, micro, cov: coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
+                                                  seed=config.train.seed, replay=mined.replay(cov))), mined
+
+
+def mine_if_due(config: RunConfig, accelerator: Accelerator, data: TokenData, mined: MinedIds, log, bare: nn.Module,
+                step: int, ceiling_now: float | None, *, bf16: bool) -> None:
+    """Run the repeated-id sweep of the coverage setting on at `step` if it mines and has not yet
+    (`lnfree.removal.mining`): on the model as it will be exported (no scale ceiling), its share on each
+    process, against the envelope of the held-out sequences; record the ids in the run folder."""
+    coverage = tail_at(config.train.coverage, step)
+    if coverage is None or coverage.mine is None or coverage.start in mined.found:
+        return
+    if config.removal.mode == "vanilla":  # every norm real: nothing runs away, an hour's sweep would find nothing
+        mined.add(coverage.start, [], write=accelerator.is_main_process)
+        log({"event": "mine", "step": step, "skipped": "vanilla: every norm is real"})
+        return
+    started = time.process_time()
+    guarded = ceiling_now is not None and not math.isinf(ceiling_now)
+    if guarded:
+        set_ceiling(bare, math.inf)
+    text = data.eval_batch(config.data.eval_sequences)
+    ids, swept = mine(bare, coverage.mine, text, bos=data.bos_token_id, seed=config.train.seed,
+                      rank=accelerator.process_index, world=accelerator.num_processes, bf16=bf16)
+    if guarded:
+        set_ceiling(bare, ceiling_now)
+    ids = gather_object(ids) if accelerator.num_processes > 1 else ids
+    mined.add(coverage.start, ids, write=accelerator.is_main_process)
+    log({"event": "mine", "step": step, "part": coverage.mine.part, "of": coverage.mine.of,
+         "swept": swept * accelerator.num_processes, "overflow": len(ids),
+         "cpu_seconds": round(time.process_time() - started, 1)})
