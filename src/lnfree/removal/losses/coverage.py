@@ -16,8 +16,9 @@ vanilla control see the same rows. On them the model is trained
 
 They run in a forward of their own with the norms' σ statistics paused, so σ stays a measure of text.
 
-**Replay.** One row per micro-step reaches some 5,600 of Gemma's 262,144 ids in a removal; the ids that
-still run away when repeated at its end are found by a short sweep over the whole vocabulary
+**Replay.** One row per micro-step repeats some 700 of Gemma's 262,144 ids in a 1,401-step removal (one
+micro-step per step, half the rows repeated); the ids that still run away when repeated at its end are
+found by a short sweep over the whole vocabulary
 (`lnfree.removal.mining`, `experiments/robust/mine_repeated.py`). `replay` lists such ids: a share
 `replay_share` of the repeated rows then repeats one of them instead of a uniform id. With `mine`, the run
 itself sweeps a part of the vocabulary when the setting starts and replays what it finds (kept in the
