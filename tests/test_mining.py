@@ -6,6 +6,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from lnfree.removal.config import with_overrides
@@ -15,6 +16,8 @@ from lnfree.removal.train import run
 
 
 def test_parts_of_the_vocabulary_are_disjoint_and_cover_it():
+    with pytest.raises(ValueError, match="must be below"):
+        Mining(part=4, of=4)
     parts = [set(vocabulary_part(103, [k], 4, seed=0).tolist()) for k in range(4)]
     assert set().union(*parts) == set(range(103)) and sum(map(len, parts)) == 103
     assert set(vocabulary_part(103, [0, 1], 4, seed=0).tolist()) == parts[0] | parts[1]

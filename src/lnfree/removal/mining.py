@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lnfree.arch import architecture
 
@@ -41,6 +41,12 @@ class Mining(BaseModel):
     of: int = Field(4, ge=1, description="the vocabulary cut into this many parts (a permutation seeded by train.seed)")
     context: int = Field(SWEEP_CONTEXT, ge=2, description="tokens per swept row, BOS included")
     batch_size: int = Field(256, ge=1, description="rows per forward pass")
+
+    @model_validator(mode="after")
+    def _part_of_the_parts(self):
+        if self.part >= self.of:  # caught when the config loads, not hours later when the sweep starts
+            raise ValueError(f"mine.part {self.part} of {self.of}: must be below `of`")
+        return self
 
 
 @torch.no_grad()
