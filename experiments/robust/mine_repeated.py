@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
+from lnfree.evaluate.stress import recorded_envelope
 from lnfree.removal.mining import OVERFLOW_RATIO, SWEEP_CONTEXT, repeated_sweep, vocabulary_part
 
 #: How many of the highest ids the record lists with their ratio, and the quantiles it gives of all.
@@ -44,13 +45,6 @@ def _finite(value: float) -> float | str:
     return value if np.isfinite(value) else "inf"
 
 
-def envelope_of(stress: Path, label: str | None) -> tuple[str, torch.Tensor]:
-    """(label, envelope per layer) of one model's record in a `lnfree stress` JSON."""
-    models = json.loads(stress.read_text())["models"]
-    label = label or next(iter(models))
-    return label, torch.tensor(models[label]["envelope"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a run, checkpoint or export folder, or a model name")
@@ -66,7 +60,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    label, limits = envelope_of(args.envelope, args.label)
+    label, limits = recorded_envelope(args.envelope, args.label)
     model = load_models([args.model])[0]
     bos = bos_token(model.module, model.tokenizer)
     if args.ids_from:

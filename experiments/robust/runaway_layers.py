@@ -15,10 +15,10 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
+from lnfree.evaluate.stress import recorded_envelope
 from lnfree.removal.mining import OVERFLOW_RATIO, SWEEP_CONTEXT, repeated_sequences, residual_norms, residual_stream
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    limits = torch.tensor(next(iter(json.loads(args.stress.read_text())["models"].values()))["envelope"])
+    _, limits = recorded_envelope(args.stress)
     ids = json.loads(args.mined.read_text())["overflow"][:args.ids]
     model = load_models([args.model])[0]
     rows = repeated_sequences(np.asarray(ids), args.context, bos_token(model.module, model.tokenizer))

@@ -18,6 +18,7 @@ import torch
 
 from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
+from lnfree.evaluate.stress import recorded_envelope
 from lnfree.removal.mining import OVERFLOW_RATIO, repeated_sweep
 
 CONTEXTS = (2, 3, 4, 6, 8, 16, 32, 64)
@@ -33,8 +34,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    record = next(iter(json.loads(args.stress.read_text())["models"].values()))
-    limits = torch.tensor(record["envelope"])
+    label, limits = recorded_envelope(args.stress)
+    record = json.loads(args.stress.read_text())["models"][label]
     probes = list(dict.fromkeys(w["token_id"] for w in record["worst"] if w["part"] == "repeated"))[:args.ids]
     model = load_models([args.model])[0]
     bos = bos_token(model.module, model.tokenizer)

@@ -18,9 +18,11 @@ token above `CE_LIMIT`), so an original's own massive activations are inside its
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,6 +69,13 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, *, batch_size: int = 8, p
             progress.update(len(batch))
     return Pass(*(torch.cat([getattr(p, name) for p in parts], dim=1 if name == "norms" else 0)
                   for name in ("ids", "norms", "finite", "ce")))
+
+
+def recorded_envelope(stress_json, label: str | None = None) -> tuple[str, torch.Tensor]:
+    """(label, envelope per layer) of one model's record (default: the first) in a `stress.json`."""
+    models = json.loads(Path(stress_json).read_text())["models"]
+    label = label or next(iter(models))
+    return label, torch.tensor(models[label]["envelope"])
 
 
 def envelope(test: Pass) -> torch.Tensor:
