@@ -34,6 +34,25 @@ def test_presets_reproduce_the_published_schedules(name):
     assert [e.layer for e in events[:n_layer]] == list(range(n_layer))
 
 
+def test_a_learning_rate_restart_warms_up_again_and_decays_to_its_own_minimum():
+    from lnfree.removal.resolve import learning_rate
+
+    config = with_overrides(load_preset("gpt2"), ["train.max_steps=100", "train.warmup_steps=10",
+                                                  "train.cosine_steps=50", "train.learning_rate=1e-3",
+                                                  "train.min_learning_rate=1e-4"])
+    plain = [learning_rate(s, config) for s in range(100)]
+    assert plain[9] == pytest.approx(1e-3) and plain[60:] == [pytest.approx(1e-4)] * 40
+    restarted = with_overrides(config, ['train.learning_rate_restart={"start": 70, "learning_rate": 5e-4, '
+                                        '"min_learning_rate": 2e-4, "warmup_steps": 5}'])
+    curve = [learning_rate(s, restarted) for s in range(100)]
+    assert curve[:70] == plain[:70]  # the first curve untouched before the restart
+    assert curve[70] == pytest.approx(1e-4) and curve[74] == pytest.approx(5e-4)  # warm-up from the restart on
+    assert curve[99] == pytest.approx(2e-4, rel=0.01) and all(a >= b for a, b in zip(curve[74:], curve[75:]))
+    with pytest.raises(ValueError, match="must not exceed its learning_rate"):
+        with_overrides(config, ['train.learning_rate_restart={"start": 70, "learning_rate": 1e-4, '
+                                '"min_learning_rate": 2e-4}'])
+
+
 def test_large_and_xl_stop_mid_cosine():
     assert load_preset("gpt2-large").train.cosine_steps == 1200
     assert load_preset("gpt2-xl").train.cosine_steps == 1200

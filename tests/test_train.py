@@ -307,11 +307,14 @@ def test_a_resumed_run_may_amend_its_future_but_never_its_past(run_config, tmp_p
     stages = json.loads(config.removal.schedule.model_dump_json())["stages"]
     slower = [*stages[:2], {**stages[2], "gap": 4}, stages[3]]  # ln_1v at steps 6 and 10, ln_f at 14
     amended = with_overrides(config, {"removal.schedule.stages": slower, "train.max_steps": 20,
-                                      "train.cosine_steps": 16, "train.scale_tail": {"ratio": 2.0, "start": 5}})
+                                      "train.cosine_steps": 16, "train.scale_tail": {"ratio": 2.0, "start": 5},
+                                      "train.learning_rate_restart": {"start": 15, "learning_rate": 5e-4,
+                                                                      "min_learning_rate": 1e-4}})
 
     for change, why in (({"train.seed": 7}, "train.seed changed"),
                         ({"train.cosine_steps": None}, "the learning rate before step 5"),
                         ({"train.scale_tail.start": 3}, "the scale_tail loss before step 5"),
+                        ({"train.learning_rate_restart.start": 4}, "the learning rate before step 5"),
                         ({"removal.schedule.stages": [{**stages[0], "gap": 2}, *slower[1:]]},
                          r"the removals before step 5 \(blocks.0.ln_1qk, blocks.1.ln_2\)")):
         with pytest.raises(RunError, match=why):
@@ -319,7 +322,10 @@ def test_a_resumed_run_may_amend_its_future_but_never_its_past(run_config, tmp_p
     resumed = run(amended, resume=True, progress=False)
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert {"event": "amend", "step": 5, "changed": ["removal.schedule.stages", "train.cosine_steps",
-                                                     "train.max_steps", "train.scale_tail"]} in lines
+                                                     "train.learning_rate_restart", "train.max_steps",
+                                                     "train.scale_tail"]} in lines
+    lr = {r["step"]: r["lr"] for r in lines if "lr" in r}  # a record's step counts the steps done: its lr is step − 1's
+    assert lr[15] < 2e-4 and lr[16] == 5e-4 and 1e-4 < lr[17] < 5e-4  # the restart at (0-based) step 15
     assert [r["step"] for r in lines if r.get("event") == "remove"] == [2, 3, 4, 5, 6, 10, 14]
     assert json.loads((out / "run_config.json").read_text())["train"]["max_steps"] == 20
 

@@ -21,8 +21,9 @@ from lnfree.removal.losses.massive import tail_at
 from lnfree.removal.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
-#: resume step on (the learning-rate curve, the tail losses' weights, the removal events, the ceiling).
-FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", *STEP_LOSSES),
+#: resume step on (the learning-rate curve and its restart, the tail losses' weights, the removal events,
+#: the ceiling).
+FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "learning_rate_restart", *STEP_LOSSES),
                  "removal": ("schedule", "scale_ceiling")}
 
 

@@ -34,6 +34,23 @@ class _Strict(BaseModel):
 STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "stability_margin", "coverage")
 
 
+class LearningRateRestart(_Strict):
+    """A second warm-up and cosine from `start` on (SGDR's warm restart): a recovery phase after the last
+    removal at a learning rate above the first curve's minimum."""
+
+    start: int = Field(ge=1, description="the first step of the second curve")
+    learning_rate: float = Field(gt=0)
+    min_learning_rate: float = Field(ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    cosine_steps: int | None = Field(None, ge=1, description="length of the second cosine; default: to max_steps")
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> LearningRateRestart:
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError("learning_rate_restart.min_learning_rate must not exceed its learning_rate")
+        return self
+
+
 class TrainConfig(_Strict):
     """Optimisation: AdamW, linear warm-up then cosine decay to a minimum learning rate."""
 
@@ -42,6 +59,9 @@ class TrainConfig(_Strict):
     min_learning_rate: float = Field(3e-4, ge=0)
     warmup_steps: int = Field(25, ge=0)
     cosine_steps: int | None = Field(None, ge=1, description="length of the cosine; default max_steps")
+    learning_rate_restart: LearningRateRestart | None = Field(
+        None, description="from its start on, a second warm-up and cosine replaces the first curve; None: one curve"
+    )
     tokens_per_step: int = Field(524_288, ge=1, description="reached by gradient accumulation")
     micro_batch_size: int | None = Field(
         None, ge=1, description="sequences per device per forward; default: the largest that divides the step, "

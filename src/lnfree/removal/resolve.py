@@ -97,11 +97,16 @@ def sigma_momentum_per_step(train: TrainConfig, sequences_per_step: int) -> floa
 
 
 def learning_rate(step: int, config: RunConfig) -> float:
-    """Linear warm-up to the peak, then cosine decay to the minimum over `cosine_steps`."""
-    train = config.train
-    if step < train.warmup_steps:
-        return train.learning_rate * (step + 1) / train.warmup_steps
-    total = train.cosine_steps or train.max_steps
-    progress = min(1.0, (step - train.warmup_steps) / max(1, total - train.warmup_steps))
+    """Linear warm-up to the peak, then cosine decay to the minimum over `cosine_steps`; from
+    `train.learning_rate_restart.start` on, the restart's own warm-up and cosine (counted from its start)."""
+    train, restart = config.train, config.train.learning_rate_restart
+    if restart is not None and step >= restart.start:
+        curve, step = restart, step - restart.start
+        total = restart.cosine_steps or max(1, train.max_steps - restart.start)
+    else:
+        curve, total = train, train.cosine_steps or train.max_steps
+    if step < curve.warmup_steps:
+        return curve.learning_rate * (step + 1) / curve.warmup_steps
+    progress = min(1.0, (step - curve.warmup_steps) / max(1, total - curve.warmup_steps))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return train.min_learning_rate + cosine * (train.learning_rate - train.min_learning_rate)
+    return curve.min_learning_rate + cosine * (curve.learning_rate - curve.min_learning_rate)
