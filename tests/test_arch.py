@@ -143,6 +143,44 @@ def test_qwen3_per_head_norms_are_their_own_stage_after_the_v_paths():
     assert {e.slot for e in events} == {s for site in arch.sites() for s in site.slots}
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_per_head_norms_get_a_position0_sigma_in_their_own_layout(family):
+    """Gemma 3 normalises q/k as (batch, heads, positions, d), Qwen3 as (batch, positions, heads, d): each
+    per-head norm's position-0 σ is the mean scale of position 0's heads, and only position 0 divides by it."""
+    model = surgery.install(tiny_family(family), special_pos0=True, per_head_pos0=True)
+    sites = [site for site in architecture(model).sites() if site.per_head]
+    inputs, outputs = {}, {}
+
+    def keep(name):
+        def hook(module, args, out):
+            inputs[name], outputs[name] = args[0], out
+        return hook
+
+    for site in sites:
+        model.get_submodule(site.module).register_forward_hook(keep(site.module))
+    ids = torch.randint(1, 64, (3, 7))  # 7 positions: unlike the batch and any head count
+    surgery.initialise_sigmas(model, [ids])
+    for site in sites:
+        x = inputs[site.module].float()
+        scale = (x.pow(2).mean(-1) + model.get_submodule(site.module).state.eps).sqrt()
+        positions = scale.movedim(list(scale.shape).index(7), -1)  # (batch, heads, positions)
+        state = model.get_submodule(site.module).state
+        assert state.heads_axis == site.heads_axis and state.has_pos0
+        torch.testing.assert_close(state.sigma_pos0, positions[..., 0].mean(), rtol=1e-4, atol=0)
+        torch.testing.assert_close(state.sigma, positions[..., 1:].mean(), rtol=1e-4, atol=0)
+    for state in surgery.scale_states(model).values():
+        state.switch_to_fixed()
+    with torch.no_grad():
+        model(input_ids=ids)
+        before = {name: out.clone() for name, out in outputs.items()}
+        for site in sites:
+            model.get_submodule(site.module).state.sigma_pos0.mul_(2.0)
+        model(input_ids=ids)
+    for site in sites[:1]:  # the first block's q_norm: its input does not depend on any σ_pos0 of its own block
+        ratio = (outputs[site.module] / before[site.module]).movedim(list(scale.shape).index(7), -2)
+        torch.testing.assert_close(ratio[..., 0, :], torch.full_like(ratio[..., 0, :], 0.5), rtol=1e-4, atol=1e-5)
+
+
 def test_gemma3_output_norms_fold_into_their_producers_and_go_last_and_softcapping_is_refused():
     from lnfree.removal.schedule import derive_schedule
 
@@ -232,6 +270,29 @@ def test_full_removal_run_removes_every_slot_resumes_exactly_and_exports(family,
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         assert (plain(input_ids=x).logits - full.model(input_ids=x).logits).abs().max() <= TOLERANCE
+
+
+def test_position0_sigmas_at_the_per_head_norms_fade_with_the_others_and_the_export_is_exact(tokenizer, tmp_path):
+    from lnfree.removal.config import with_overrides
+    from lnfree.forms.export import export_run
+    from lnfree.removal.train import run
+
+    config = family_run_config("gemma3", tokenizer, tmp_path, save_every=4)
+    stages = [*config.removal.schedule.model_dump()["stages"], {"kind": "pos0_special", "gap": 0, "blend_steps": 3}]
+    config = with_overrides(config, {"removal.special_pos0": True, "removal.special_pos0_per_head": True,
+                                     "removal.schedule": {"stages": stages},
+                                     "train.max_steps": config.train.max_steps + 4})
+    full = run(config, progress=False)
+    state = json.loads((full.output_dir / "checkpoints/step_000004/trainer_state.json").read_text())["removal_state"]
+    assert state["blocks.0.k_norm"]["pos0_active"] and state["blocks.0.q_norm"]["sigma_pos0"] > 0
+    assert surgery.is_fully_removed(full.model)
+    x = ids(len(tokenizer))
+    full.model.eval()
+    plain = AutoModelForCausalLM.from_pretrained(export_run(full)).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=x).logits - full.model(input_ids=x).logits).abs().max() <= TOLERANCE
+    with pytest.raises(ValueError, match="special_pos0_per_head needs removal.special_pos0"):
+        with_overrides(config, {"removal.special_pos0": False})
 
 
 @pytest.mark.parametrize("preset, family, depth", [

@@ -48,6 +48,7 @@ class NormSite:
     layer: int | None
     consumers: tuple[Consumer, ...]
     per_head: bool = False  # normalises a projection's per-head output (folds into that projection's rows)
+    heads_axis: int | None = None  # per-head norms: the heads' axis in the norm input's token shape (batch first)
     on_output: bool = False  # normalises a sublayer's output (Gemma 3's post-norms): folds into its producer's rows
 
     @property

@@ -58,7 +58,8 @@ class Gemma3(Architecture):
             qkv = (Consumer(attn("q_proj")), Consumer(attn("k_proj")), Consumer(attn("v_proj"), v_columns="all"))
             sites.append(NormSite(self.block(i, "input_layernorm"), "ln_1", i, qkv))
             for name, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
-                sites.append(NormSite(attn(name), name, i, (Consumer(attn(proj)),), per_head=True))
+                # (batch, heads, positions, head_dim): Gemma 3 normalises q and k after the transpose
+                sites.append(NormSite(attn(name), name, i, (Consumer(attn(proj)),), per_head=True, heads_axis=1))
             sites.append(NormSite(self.block(i, "post_attention_layernorm"), "post_attn", i,
                                   (Consumer(self.block(i, self.attn_out)),), on_output=True))
             mlp = (Consumer(self.block(i, "mlp.gate_proj")), Consumer(self.block(i, "mlp.up_proj")))

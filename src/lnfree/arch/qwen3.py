@@ -27,5 +27,6 @@ class Qwen3(Llama):
         sites = super().attention_sites(i)
         for name, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
             producer = (Consumer(self.block(i, f"self_attn.{proj}")),)
-            sites.append(NormSite(self.block(i, f"self_attn.{name}"), name, i, producer, per_head=True))
+            # (batch, positions, heads, head_dim): Qwen3 normalises q and k before the transpose
+            sites.append(NormSite(self.block(i, f"self_attn.{name}"), name, i, producer, per_head=True, heads_axis=2))
         return sites

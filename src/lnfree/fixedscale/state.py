@@ -51,16 +51,19 @@ class TokenContext:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device) + past
         self.position_ids = position_ids
 
-    def masks(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        """Boolean (batch, seq) masks of position-0 tokens and EOT tokens."""
+    def masks(self, shape: torch.Size, heads_axis: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boolean masks of position-0 tokens and EOT tokens, of `shape`: (batch, seq), or a per-head norm's
+        token shape with the heads at `heads_axis`."""
         if self.input_ids is None:
             raise RuntimeError(
                 "A special σ (position 0 / EOT) needs input_ids; call the model with input_ids "
                 "rather than inputs_embeds while special σ are active."
             )
-        pos0 = (self.position_ids == 0).expand(shape)
-        eot = (self.input_ids == self.eot_token_id).expand(shape)
-        return pos0, eot
+        pos0 = (self.position_ids == 0).expand(self.input_ids.shape)
+        eot = self.input_ids == self.eot_token_id
+        if heads_axis is not None:
+            pos0, eot = pos0.unsqueeze(heads_axis), eot.unsqueeze(heads_axis)
+        return pos0.expand(shape), eot.expand(shape)
 
 
 
@@ -73,10 +76,12 @@ class ScaleState(nn.Module):
     `stats`, which first adds the reciprocal scales still pending (see `gather`).
     """
 
-    def __init__(self, eps: float, kind: NormKind = "layer", special_pos0: bool = False, special_eot: bool = False):
+    def __init__(self, eps: float, kind: NormKind = "layer", special_pos0: bool = False, special_eot: bool = False,
+                 heads_axis: int | None = None):
         super().__init__()
         self.eps = eps
         self.kind = kind
+        self.heads_axis = heads_axis  # a per-head norm's token shape has its heads there (TokenContext.masks)
         self.has_pos0 = special_pos0
         self.has_eot = special_eot
         self.register_buffer("sigma", torch.ones(()))
@@ -269,7 +274,7 @@ class ScaleState(nn.Module):
                 self.totals[0, GENERAL].add_(flat.sum())
                 self.totals[1, GENERAL].add_(flat.numel())
                 return
-            pos0, eot = self.context.masks(flat.shape)
+            pos0, eot = self.context.masks(flat.shape, self.heads_axis)
             pos0 = pos0 & self.pos0_on
             eot = eot & self.eot_on & ~pos0
             general = ~(pos0 | eot)
@@ -319,7 +324,7 @@ class ScaleState(nn.Module):
         if not self.wants_context:
             return self.sigma
         shape = x.shape[:-1]
-        pos0, eot = self.context.masks(shape)
+        pos0, eot = self.context.masks(shape, self.heads_axis)
         sigma = self.sigma.expand(shape)
         if self.eot_on:
             sigma = torch.where(eot, self._faded(self.sigma_eot, self.eot_fade), sigma)
@@ -385,7 +390,7 @@ class ScaleState(nn.Module):
         """The ceiling's least divisor per token, (..., 1): real scale / ceiling, 0 at a spared position 0."""
         floor = real / self.ceiling
         if self.ceiling_spares_pos0 and self.pos0_on:
-            floor = floor.masked_fill(self.context.masks(x.shape[:-1])[0].unsqueeze(-1), 0.0)
+            floor = floor.masked_fill(self.context.masks(x.shape[:-1], self.heads_axis)[0].unsqueeze(-1), 0.0)
         return floor
 
     def _count_hits(self, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:

@@ -80,14 +80,16 @@ def install(
     model: nn.Module,
     *,
     special_pos0: bool = False,
+    per_head_pos0: bool = False,
     special_eot: bool = False,
     eot_token_id: int | None = None,
 ) -> nn.Module:
     """Swap every norm of `model` for a fixed-scale norm that starts out real (in place).
 
-    `special_pos0` gives every residual-stream norm a separate σ for sequence position 0;
-    `special_eot` gives the ln_1 V paths a separate σ for EOT tokens. Both are applied per token,
-    and both need the model to be called with `input_ids`. Per-head norms (Qwen3) get neither.
+    `special_pos0` gives every residual-stream norm a separate σ for sequence position 0, and with
+    `per_head_pos0` the per-head q/k norms too (Gemma 3, Qwen3); `special_eot` gives the ln_1 V paths a
+    separate σ for EOT tokens. Both are applied per token, and both need the model to be called with
+    `input_ids`.
     """
     arch = architecture(model)
     if is_installed(model):
@@ -97,7 +99,7 @@ def install(
         eps = norm_eps(norm)
         weight, bias = norm.weight.detach() + arch.norm_weight_offset, getattr(norm, "bias", None)
         device = weight.device
-        pos0 = special_pos0 and not site.per_head
+        pos0 = special_pos0 and (per_head_pos0 or not site.per_head)
         if site.split:
             states = (ScaleState(eps, arch.norm_kind, special_pos0=pos0),
                       ScaleState(eps, arch.norm_kind, special_pos0=pos0, special_eot=special_eot))
@@ -108,7 +110,7 @@ def install(
                 selector = column_selector(consumer.v_columns)
                 model.set_submodule(consumer.path, NormalisedProjection(proj, split, selector, arch.conv1d).to(device))
         else:
-            state = ScaleState(eps, arch.norm_kind, special_pos0=pos0).to(device)
+            state = ScaleState(eps, arch.norm_kind, special_pos0=pos0, heads_axis=site.heads_axis).to(device)
             model.set_submodule(site.module, FixedScaleNorm(weight, bias, state))
     states = _find_states(model)
     if special_pos0 or special_eot:

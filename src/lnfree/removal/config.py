@@ -177,6 +177,10 @@ class RemovalConfig(_Strict):
     mode: Literal["remove", "vanilla"] = "remove"
     schedule: Schedule | None = Field(None, description="default: derived from the model's depth")
     special_pos0: bool = False
+    special_pos0_per_head: bool = Field(
+        False, description="with special_pos0, give the per-head q/k norms their own position-0 σ too (faded with the "
+        "others by the pos0_special stage): Gemma 3 270M's BOS key is 0.2–0.8× the other tokens' before k_norm"
+    )
     special_eot: bool = False
     blend_steps: int = Field(
         0, ge=0, description="gradual removal: steps over which each norm moves from its real per-token scale to "
@@ -189,6 +193,12 @@ class RemovalConfig(_Strict):
     scale_ceiling: ScaleCeiling | None = Field(
         None, description="while training, no token leaves a fixed norm above ratio × σ (lnfree.fixedscale.ceiling)"
     )
+
+    @model_validator(mode="after")
+    def _per_head_pos0(self) -> RemovalConfig:
+        if self.special_pos0_per_head and not self.special_pos0:
+            raise ValueError("removal.special_pos0_per_head needs removal.special_pos0")
+        return self
 
 
 class RunConfig(_Strict):
