@@ -6,7 +6,8 @@
 # NEW_RUN gets FROM_RUN's run config, start record, tokenizer and log, its step-STEP checkpoint
 # (hard-linked: no copy of the weights) and the ids its coverage mined up to STEP, then resumes with the
 # --set amendments, which `lnfree.amend` accepts only where they change steps from STEP on (a
-# step-dependent loss with start >= STEP, a later schedule, a learning-rate restart). Until STEP the new run *is* the old one; its log says so (a `resume` and an `amend` record).
+# step-dependent loss with start >= STEP, a later schedule, a learning-rate restart). Until STEP the new
+# run *is* the old one; its log says so (a `resume` and an `amend` record).
 # Running it again resumes NEW_RUN where it stopped (the amendments are then already its config).
 # Example (the neuron-range arm of experiments/results/gemma3-270m/robust/):
 #   experiments/robust/branch.sh runs/robust/gemma3/ln_free 950 runs/robust/gemma3/range950 \
