@@ -84,6 +84,9 @@ def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwr
     assert saved["models"]["original"]["overflow_total"] == 0 and (out / "stress.md").exists()
     again = runner.invoke(app, ["stress", "tiny", "--out", str(out), *args])
     assert again.exit_code == 2 and "--overwrite" in again.output
+    resumed = runner.invoke(app, ["stress", "tiny", "--labels", "original", "--out", str(out), "--resume", *args])
+    assert resumed.exit_code == 0 and "reused the records saved in" in resumed.output  # nothing measured again
+    assert json.loads((out / "stress.json").read_text()) == saved and (out / "parts" / "original.json").exists()
     broken = planted(tiny_ln_free_export, tmp_path, 5, 1e36)  # overflows fp32 on the way through
     result = runner.invoke(app, ["stress", str(broken), "--out", str(tmp_path / "bad"), *args])
     assert result.exit_code == 1
@@ -181,3 +184,29 @@ def test_without_bos_no_probe_row_starts_with_it():
         assert ("0" in starts) == with_bos or not starts
         pages[with_bos] = markdown(report).splitlines()[0]
     assert "no BOS" in pages[False] and "no BOS" not in pages[True]
+
+
+def test_a_resumed_stress_reuses_only_the_records_whose_settings_inputs_and_weights_match(tiny_ln_free_export,
+                                                                                        tmp_path, monkeypatch):
+    import lnfree.evaluate.stress as stress
+
+    parts = tmp_path / "parts"
+    copy = planted(tiny_ln_free_export, tmp_path, 5, 1.0)  # the same weights in a folder of its own
+    sources, labels = ["tiny", str(copy)], ["original", "ln_free"]
+    first = run_stress(sources, "tiny", labels=labels, parts=parts, **FAST)
+    assert sorted(p.name for p in parts.iterdir()) == ["ln_free.json", "original.json"]
+    measured = []
+    real = stress.stress_model
+    monkeypatch.setattr(stress, "stress_model", lambda label, *a, **k: measured.append(label) or real(label, *a, **k))
+    again = run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **FAST)
+    assert measured == [] and again.reused == labels and again.to_dict() == first.to_dict()  # growth vs the first recomputed from the parts
+    weights = next(copy.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["transformer.wte.weight"][5] *= 100.0
+    save_file(tensors, weights, metadata={"format": "pt"})  # other weights, same label and folder: measured again
+    run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **FAST)
+    assert measured == ["ln_free"]
+    run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **{**FAST, "repeated": 32})
+    assert measured == ["ln_free", "original", "ln_free"]  # other settings (inputs): nothing reused
+    run_stress(sources, "tiny", labels=labels, parts=parts, **{**FAST, "repeated": 32})  # no resume: measured
+    assert measured[3:] == ["original", "ln_free"]

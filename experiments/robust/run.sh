@@ -11,7 +11,8 @@
 # 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep;
 # 5. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
-# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped.
+# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
+# stress step keeps each model's record in stress/parts/ and measures only the models left).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
@@ -52,7 +53,7 @@ fi
 step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" \
   --dataset realtext --context "$context" --batch-size 4 --out "$out/eval" --overwrite
 step_done "$out/stress/stress.json" || run "$out/stress" lnfree stress "${models[@]}" --labels "${labels[@]}" \
-  --dataset realtext --context "$context" --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --overwrite \
+  --dataset realtext --context "$context" --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume \
   || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
 step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze residual --models "${models[@]}" \
   --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \

@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 import typer
 from lnfree.errors import LnfreeError
 
-#: The files `lnfree stress` writes into its output folder.
+#: The files `lnfree stress` writes into its output folder (and each model's record in `STRESS_PARTS`/).
 STRESS_FILES = ("stress.json", "stress.md")
+STRESS_PARTS = "parts"
 
 
 def _count(value: str, option: str) -> int | None:
@@ -42,6 +43,7 @@ def stress(
     seed: Annotated[int, typer.Option(help="Seed of the sweep's order and of ties among equally frequent ids.")] = 0,
     bos: Annotated[bool, typer.Option("--bos/--no-bos", help="Start every sequence with BOS where the family reads one; --no-bos: never (what users who tokenise without special tokens feed it).")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier stress report in --out.")] = False,
+    resume: Annotated[bool, typer.Option(help="Reuse each model's record that an earlier run saved in OUT/parts with the same settings, inputs and weights (an interrupted sweep measures only the models left); replaces the report.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A progress bar per model.")] = True,
 ) -> None:
     """Does each model stay bounded on a whole test split, repeated tokens and every vocabulary id? Exit 1 if any overflows."""
@@ -50,8 +52,9 @@ def stress(
 
     names = [x.strip() for item in labels or [] for x in item.split(",") if x.strip()] or None
     written = [out / name for name in STRESS_FILES if (out / name).exists()]
-    if written and not overwrite:
-        typer.secho(f"error: {written[0]} exists; pass --overwrite to replace it, or another --out",
+    if written and not (overwrite or resume):
+        typer.secho(f"error: {written[0]} exists; pass --overwrite to replace it, --resume to reuse its "
+                    f"models' saved records, or another --out",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     try:
@@ -59,10 +62,13 @@ def stress(
             report = run_stress(models, dataset, labels=names, context=context, n_sequences=n_sequences,
                                 repeated=_count(repeated, "--repeated"), vocab=_count(vocab, "--vocab"),
                                 batch_size=batch_size, device=device, dtype=dtype, form=form, seed=seed,
-                                progress=progress, with_bos=bos)
+                                progress=progress, with_bos=bos, parts=out / STRESS_PARTS, resume=resume)
     except (LnfreeError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
+    if report.reused:
+        typer.echo(f"reused the records saved in {out / STRESS_PARTS} (same settings, inputs and weights): "
+                   f"{', '.join(report.reused)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "stress.json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
     page = markdown(report)

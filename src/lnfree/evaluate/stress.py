@@ -18,8 +18,10 @@ token above `CE_LIMIT`), so an original's own massive activations are inside its
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -274,6 +276,7 @@ class StressReport:
 
     settings: dict
     records: list[StressRecord]
+    reused: list[str] = field(default_factory=list)  # labels whose saved record was reused (`resume`)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "models": {r.label: r.to_dict() for r in self.records}}
@@ -282,11 +285,14 @@ class StressReport:
 def stress_models(
     labelled: Sequence[tuple[str, str, torch.nn.Module]], tokenizer, test_ids: torch.Tensor, counts: np.ndarray, *,
     context: int, repeated: int | None, vocab: int | None, seed: int = 0, batch_size: int = 8,
-    progress: bool = False, settings: dict | None = None, with_bos: bool = True,
+    progress: bool = False, settings: dict | None = None, with_bos: bool = True, parts: Path | None = None,
+    resume: bool = False,
 ) -> StressReport:
     """`stress_model` on each (label, source, model) in turn, the first one's envelope the reference of
     the growth; `counts` (token frequencies of the training text) choose the repeated-token ids. Probe
-    rows start with BOS where the family reads one, unless `with_bos` is False."""
+    rows start with BOS where the family reads one, unless `with_bos` is False. `parts`: a folder where
+    each model's record is saved once measured; `resume`: reuse a saved record whose settings, inputs,
+    label, source and weights all match (`part_key`), so an interrupted run measures only what is left."""
     model = labelled[0][2]
     vocab_size = int(model.config.vocab_size)
     bos = tokenizer.bos_token_id if architecture(model).prepends_bos and with_bos else None
@@ -295,16 +301,64 @@ def stress_models(
     probe_ids = repeated_probe_ids(counts, repeated, seed)
     probes = repeated_sequences(probe_ids, context, bos)
     sweep = sweep_sequences(vocab_size, context, bos, vocab, seed)
-    records, first = [], None
-    for label, source, module in labelled:
-        record, limits = stress_model(label, source, module, tokenizer, test_ids, probes, sweep,
-                                      first_envelope=first, batch_size=batch_size, progress=progress)
-        first = limits if first is None else first
-        records.append(record)
     info = {"context": context, "bos": bos, "overflow_ratio": OVERFLOW_RATIO, "ce_limit": CE_LIMIT, "seed": seed,
             "repeated_probe_ids": probe_ids.tolist() if len(probe_ids) <= 4096 else len(probe_ids),
             "vocab_sweep_ids": vocab_size if vocab is None else min(vocab, vocab_size), **(settings or {})}
-    return StressReport(info, records)
+    inputs = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (test_ids, probes, sweep))).hexdigest()
+    records, reused, first = [], [], None
+    for label, source, module in labelled:
+        key = part_key(info | {"inputs": inputs}, label, source, module) if parts is not None else None
+        record = load_part(parts, label, key) if parts is not None and resume else None
+        if record is None:
+            record, limits = stress_model(label, source, module, tokenizer, test_ids, probes, sweep,
+                                          first_envelope=first, batch_size=batch_size, progress=progress)
+            if parts is not None:
+                save_part(parts, label, key, record)
+        else:
+            reused.append(label)
+            limits = torch.tensor(record.envelope)
+            growth = None if first is None else limits / first.clamp_min(1e-30)
+            record.growth_vs_first = None if growth is None else growth.tolist()
+            record.max_growth_vs_first = None if growth is None else float(growth.max())
+        first = limits if first is None else first
+        records.append(record)
+    return StressReport(info, records, reused)
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a model's state dict (names, dtypes, shapes and bytes): the same weights, the same digest."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def part_key(info: dict, label: str, source: str, module: torch.nn.Module) -> str:
+    """What one model's saved record depends on: the settings and inputs, its label, source and weights."""
+    described = json.dumps({"info": info, "label": label, "source": source, "weights": weights_digest(module)},
+                           sort_keys=True, default=str)
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def _part_file(parts: Path, label: str) -> Path:
+    return Path(parts) / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.json"
+
+
+def save_part(parts: Path, label: str, key: str, record: StressRecord) -> None:
+    """Keep one model's record (its key beside it) as soon as it is measured."""
+    Path(parts).mkdir(parents=True, exist_ok=True)
+    _part_file(parts, label).write_text(json.dumps({"key": key, "record": asdict(record)}, default=str))
+
+
+def load_part(parts: Path, label: str, key: str) -> StressRecord | None:
+    """The record saved for this label under the same key (settings, inputs, source, weights), else None."""
+    path = _part_file(parts, label)
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return StressRecord(**saved["record"]) if saved.get("key") == key else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +381,7 @@ def run_stress(
     sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, context: int = 128,
     n_sequences: int | None = None, repeated: int | None = 512, vocab: int | None = 8192, batch_size: int = 8,
     device: str = "auto", dtype: str = "fp32", form: str = "hf", seed: int = 0, progress: bool = False,
-    with_bos: bool = True,
+    with_bos: bool = True, parts: Path | None = None, resume: bool = False,
 ) -> StressReport:
     """Load the models (`lnfree.evaluate.load_models`), read the dataset's whole test split (or its first
     `n_sequences`) and `stress_models` them on identical inputs. `repeated` / `vocab` None: every id.
@@ -354,7 +408,7 @@ def run_stress(
                 "vocab_requested": "all" if vocab is None else vocab, "with_bos": with_bos}
     return stress_models(labelled, first.tokenizer, test_ids, counts, context=context, repeated=repeated,
                          vocab=vocab, seed=seed, batch_size=batch_size, progress=progress, settings=settings,
-                         with_bos=with_bos)
+                         with_bos=with_bos, parts=parts, resume=resume)
 
 
 def markdown(report: StressReport) -> str:
