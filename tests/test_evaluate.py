@@ -220,6 +220,7 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     assert result.exit_code == 0, result.output
     table = (out / "comparison.md").read_text()
     assert "Δ vs vanilla" in table and "## Pairwise, on identical tokens" in table
+    assert "CIs over blocks of" in table  # the header names the unit the CIs resample
     for label in ("original", "vanilla", "ln_free"):
         assert f"| {label} |" in table and (out / f"{label}.json").is_file() and (out / f"{label}.csv").is_file()
     summary = json.loads((out / "summary.json").read_text())

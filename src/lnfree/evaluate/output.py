@@ -56,7 +56,8 @@ def markdown(report: EvalReport) -> str:
     lines = [f"# Evaluation on {d.get('name', 'the given tokens')}", "",
              f"{d.get('description', 'tokens')}: {sequences} sequences x {context} tokens, "
              f"{first.scored_tokens if first else 0:,} scored tokens per model. CE in nats; 95% bootstrap CIs over "
-             f"sequences ({report.settings.get('bootstrap_resamples')} resamples, seed {report.settings.get('seed')}).",
+             f"{report.settings.get('bootstrap_unit', 'sequences')} ({report.settings.get('bootstrap_resamples')} "
+             f"resamples, seed {report.settings.get('seed')}).",
              f"Scored tokens: {report.convention}.", ""]
     ref = f"Δ vs {report.reference}" if report.reference else "Δ"
     lines += [f"| model | form | scored tokens | mean CE [95% CI] | {ref} [95% CI] | median | p95 | p99 | p99.9 | max "
