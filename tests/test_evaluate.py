@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 
 from lnfree import evaluate as ev
 from lnfree.cli import app
+from lnfree.errors import UsageError
+from lnfree.evaluate.results import ce_headline
 from lnfree.removal.derived import STALE_MARKER
 from lnfree.data.tiny import TINY_MODEL_DIR
 
@@ -227,6 +229,14 @@ def test_tiny_comparison_in_one_command(tiny_ln_free_export, tmp_path, cache):
     assert [m["scored_tokens"] for m in summary["models"]] == [16 * 127] * 3
     assert len(summary["pairs"]) == 3 and summary["reference"] == "vanilla"
     assert summary["convention"] == ev.SCORING_CONVENTION
+    headline = ce_headline(summary, "ln_free")  # what the experiments' summary.json files report
+    ln_free = summary["models"][2]
+    assert headline["ln_free"] == ln_free["ce"]["mean"] and headline["scored_tokens"] == 16 * 127
+    assert headline["delta_vs_reference"] == pytest.approx(ln_free["ce"]["mean"] - summary["models"][1]["ce"]["mean"])
+    assert headline["ci"][0] <= headline["delta_vs_reference"] <= headline["ci"][1] and headline["reference"] == "vanilla"
+    assert "blocks of" in headline["ci_method"]
+    with pytest.raises(UsageError, match="not one of the evaluated labels"):
+        ce_headline(summary, "nobody")
     # The tiny set is the removal run's held-out text: the original's CE recomputed directly.
     from lnfree.removal.config import load_preset
     from lnfree.data.documents import prepare_data

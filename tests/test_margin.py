@@ -168,3 +168,72 @@ def test_on_gemma_the_margin_reads_the_residual_not_the_sublayer_output_norms():
     with objective.margin(model, ids, (1, 4), StabilityMargin()) as (loss, terms):
         assert torch.isfinite(loss)
     objective.remove()
+
+
+def test_the_timeline_previews_the_norm_switches_not_yet_complete_in_schedule_order():
+    from lnfree.removal.schedule import Event
+    from lnfree.removal.timeline import Timeline
+
+    events = [Event(2, "ln_2", 0, 3), Event(4, "ln_2", 1, 3), Event(6, "pos0_special", None, 2), Event(7, "ln_f", None, 1)]
+    timeline = Timeline(events)
+    slots = []
+    for step in range(9):
+        timeline.actions(step)
+        slots.append([e.slot for e in timeline.upcoming(step, 2)])
+    assert slots[0] == slots[1] == ["blocks.0.ln_2", "blocks.1.ln_2"]
+    assert slots[3] == ["blocks.0.ln_2", "blocks.1.ln_2"]  # block 0 blends over 2–4: 2/3 fixed at step 3
+    assert slots[4] == ["blocks.1.ln_2", "ln_f"]  # block 0 complete at step 4; the special σ is no norm switch
+    assert slots[6] == ["ln_f"] and slots[7] == slots[8] == []  # ln_f is fixed at once at step 7
+    assert [e.slot for e in timeline.upcoming(0, 0)] == []
+
+
+def test_a_preview_fixes_the_upcoming_norms_only_within_and_trains_a_planted_neuron_while_they_are_real():
+    from lnfree.removal.schedule import Event
+
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    setting = StabilityMargin(ratio=1.5, preview=2)
+    model = surgery.install(planted(tiny_family("llama")))
+    surgery.initialise_sigmas(model, [ids])
+    states = surgery.scale_states(model)
+    events = [Event(0, "ln_2", 0, 4), Event(4, "ln_2", 1, 4)]
+    ahead = [states["blocks.0.ln_2"], states["blocks.1.ln_2"]]
+    ahead[0].set_fixed_fraction(0.5)  # one blending, one real
+    before = [(s.mix.clone(), s.fixed.clone(), s.is_fixed, s.is_blending) for s in states.values()]
+    arch = architecture(model)
+    objective = Objective(model.train(), TrainConfig(stability_margin=setting), arch, None, 0, contextlib.nullcontext)
+    with objective.margin(model, ids, (0, 3), setting, events) as (loss, terms):
+        assert all(s.is_fixed and not s.is_blending for s in ahead)
+        assert not any(s.is_fixed or s.is_blending for name, s in states.items() if name != "blocks.0.ln_2"
+                       and s not in ahead)
+        loss.backward()
+    after = [(s.mix, s.fixed, s.is_fixed, s.is_blending) for s in states.values()]
+    for (m0, f0, x0, b0), (m1, f1, x1, b1) in zip(before, after):  # restored exactly
+        assert torch.equal(m0, m1) and torch.equal(f0, f1) and (x0, b0) == (x1, b1)
+    assert terms[TERMS.index("margin")] > 0  # the planted neuron behind block 1's ln_2 runs away once it is fixed
+    neuron = model.get_submodule(f"{arch.layers}.1.mlp.down_proj").weight.grad[:, 0]
+    assert neuron.abs().sum() > 0 and torch.isfinite(neuron).all()
+    with objective.margin(model, ids, (0, 3), setting, []) as (loss, terms):  # nothing ahead: the same forward
+        assert terms[TERMS.index("margin")] == 0
+    objective.remove()
+
+
+def test_a_run_previews_the_switches_ahead_and_its_vanilla_control_reads_zero(tmp_path):
+    from conftest import quick_run_config
+
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    model = planted(tiny_family("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    config = quick_run_config(tmp_path / "run", tmp_path / "model", tmp_path / "cache", max_steps=12,
+                              stability_margin={"ratio": 1.2, "rows": 2, "preview": 2})
+
+    def margins(config):
+        out = run(config, progress=False).output_dir
+        return [r["margin"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "margin" in r]
+
+    removal = margins(config)
+    assert len(removal) == 12 and all(math.isfinite(m) for m in removal) and max(removal) > 0
+    vanilla = margins(with_overrides(config, {"removal.mode": "vanilla", "output_dir": str(tmp_path / "vanilla")}))
+    assert vanilla == [0.0] * 12  # no norm switch ahead: the preview forward is the clean one

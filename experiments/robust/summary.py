@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from lnfree.evaluate.results import ce_headline
 from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
@@ -33,15 +34,6 @@ def cpu_hours(run: Path) -> float:
     """Process CPU time of a run's training (its log's last `cpu_seconds`, resumes included), in hours."""
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     return round(max(r.get("cpu_seconds", 0.0) for r in records) / 3600, 3)
-
-
-def test_ce(evaluation: dict) -> dict:
-    """Mean test CE per model, the scored tokens and the LN-free − vanilla difference with its CI."""
-    ce = {m["label"]: m["ce"]["mean"] for m in evaluation["models"]}
-    ln_free = next(m for m in evaluation["models"] if m["label"] == "ln_free")
-    return {**ce, "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
-            "ln_free_minus_vanilla": ln_free["delta_ce_vs_reference"], "ci": ln_free["delta_ce_vs_reference_ci"],
-            "ci_method": evaluation["settings"]["bootstrap_unit"], "reference": ln_free["reference"]}
 
 
 def position0(out: Path) -> dict:
@@ -67,7 +59,7 @@ def main() -> None:
         "model": config["model"],
         "norms_fixed": sum(state.get("fixed", False) for state in norms.values()),
         "norms_total": len(norms),
-        "test_ce": test_ce(_json(args.out / "eval" / "summary.json")),
+        "test_ce": ce_headline(_json(args.out / "eval" / "summary.json"), "ln_free"),
         "stress": {label: {k: record[k] for k in STRESS_FIELDS} for label, record in stress["models"].items()},
         "stress_settings": stress["settings"] | {"repeated_probe_ids": len(stress["settings"]["repeated_probe_ids"])
                                                  if isinstance(stress["settings"]["repeated_probe_ids"], list)

@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from lnfree.removal.layout import START
+
 
 def read_log(folder: Path) -> list[dict]:
     """The run's log.jsonl rows."""
@@ -76,10 +78,13 @@ def main() -> None:
         head, lines = run_summary(folder)
         heads.append(head)
         details += lines
+    tokens = {r["held_out_tokens"] for f in runs for r in read_log(f) if r.get("event") == "eval"}
+    original = {round(json.loads((f / START).read_text())["held_out_ce"], 3) for f in runs if (f / START).is_file()}
     out = [f"# {args.title}", "",
-           f"Written by `experiments/smollm2/gpu_summary.py` from the run logs of {args.source}. Held-out CE on 66 × 64 tokens (4,158 scored); the "
-           "original model scores 3.654. 'Without ceiling' is the same model with the scale ceiling off: NaN "
-           "once one held-out token overflows.", "",
+           f"Written by `experiments/smollm2/gpu_summary.py` from the run logs of {args.source}. Held-out CE on "
+           f"{' / '.join(f'{t:,}' for t in sorted(tokens))} scored tokens; the original model scores "
+           f"{' / '.join(f'{c:.3f}' for c in sorted(original))} there (each run's start.json). 'Without ceiling' is "
+           "the same model with the scale ceiling off: NaN once one held-out token overflows.", "",
            "| run | steps × tokens | s/step | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
            "|---|---|---|---|---|---|"]
     for h in heads:

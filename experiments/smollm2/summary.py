@@ -5,8 +5,9 @@
 
 STAGE is ln_f_only or ln_free (SmolLM2-135M, Gemma 3 270M: the model is the run's own). Reads
 RUNS/STAGE and RUNS/STAGE-vanilla (log.jsonl, the run config, the latest checkpoint's removal
-state), OUT/eval/summary.json (held-out CE, JSD) and the DLA summary under OUT/analysis. Copies each
-run's log and config beside the summary. Nothing is typed in by hand. While the vanilla control is
+state), OUT/eval/summary.json (CE on the whole test split, the block-bootstrap CI of the
+difference to the vanilla control, JSD) and the analyses under OUT/analysis (DLA; position 0's
+residual norm ratio per layer). Copies each run's log and config beside the summary. Nothing is typed in by hand. While the vanilla control is
 not finished (no summary.json in its folder) or not in the evaluation, its numbers are null and
 `pending` says so.
 """
@@ -18,6 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
+from lnfree.evaluate.results import ce_headline
 from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 
@@ -28,9 +30,9 @@ def _json(path: Path) -> dict:
 
 
 def cpu_hours(run: Path) -> float:
-    """Training wall time of a run (its log's last `seconds`, resumes included) in hours."""
-    seconds = [r["seconds"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "seconds" in r]
-    return round(max(seconds) / 3600, 3)
+    """Process CPU time of a run's training (its log's last `cpu_seconds`, resumes included), in hours."""
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return round(max(r.get("cpu_seconds", 0.0) for r in records) / 3600, 3)
 
 
 def dla_nmae(out: Path) -> dict:
@@ -43,15 +45,17 @@ def dla_nmae(out: Path) -> dict:
 
 
 def analyses(out: Path) -> dict:
-    """Per model: attention-sink rates, the largest position-0 residual norm ratio, and attribution vs
-    activation patching NMAE (from OUT/analysis/index.json, when `lnfree analyze all` wrote one)."""
-    index = out / "analysis" / "index.json"
-    if not index.is_file():
-        return {}
-    found = _json(index)["analyses"]
+    """Per model: attention-sink rates, position 0's residual norm over the other positions' at every layer
+    (entry 0: the embedding) and its largest after block 0, and attribution vs activation patching NMAE (from
+    the index.json of each `lnfree analyze` under OUT/analysis)."""
+    found: dict = {}
+    for index in sorted(out.glob("analysis/**/index.json")):
+        found.update(_json(index)["analyses"])
     residual, patching = found.get("residual", {}).get("models", {}), found.get("patching", {}).get("models", {})
     return {label: {"sink_rate": residual[label]["sink_rate"],
-                    "max_norm_ratio_position_0": residual[label]["max_norm_ratio_position_0"],
+                    "norm_ratio_position_0": residual[label]["norm_ratio_position_0"],
+                    "max_norm_ratio_position_0_after_block_0":
+                        residual[label]["max_norm_ratio_position_0_after_block_0"],
                     **({"patching_nmae": {kind: agreement["nmae"]["value"] for kind, agreement in
                                           patching[label]["agreement"].items()}} if label in patching else {})}
             for label in residual}
@@ -80,10 +84,9 @@ def main() -> None:
     norms = _json(checkpoint / TRAINER_STATE)["removal_state"]
     config = _json(run / RUN_CONFIG)
     evaluation = _json(args.out / "eval" / "summary.json")
-    ce = {m["label"]: m["ce"]["mean"] for m in evaluation["models"]}
+    ce = ce_headline(evaluation, args.stage)
     jsd = {p["b"]: p["jsd"]["mean"] for p in evaluation["pairs"] if p["a"] == "original"}
     control_done = (control / "summary.json").is_file() and "vanilla" in ce
-    vanilla_ce = ce["vanilla"] if control_done else None
     massive = run / "massive_neurons.json"
     summary = {
         "model": config["model"],
@@ -91,9 +94,7 @@ def main() -> None:
         # checkpoints of lnfree before the rename say "fake"
         "norms_fixed": sum(state.get("fixed", state.get("fake", False)) for state in norms.values()),
         "norms_total": len(norms),
-        "heldout_ce": {"original": ce["original"], "ln_free": ce[args.stage], "vanilla": vanilla_ce,
-                       "scored_tokens": evaluation["dataset"]["scored_tokens_per_model"],
-                       "ln_free_minus_vanilla": None if vanilla_ce is None else ce[args.stage] - vanilla_ce},
+        "test_ce": ce if control_done else {**ce, "vanilla": None, "delta_vs_reference": None, "ci": None},
         "jsd_to_original": {"ln_free": jsd[args.stage], "vanilla": jsd["vanilla"] if control_done else None},
         "dla_vs_de_head_nmae": dla_nmae(args.out),
         "analyses": analyses(args.out),

@@ -115,6 +115,20 @@ def write_summary(summary: dict, out_dir: str | Path, name: str = "summary") -> 
     return path
 
 
+def ce_headline(summary: dict, label: str) -> dict:
+    """The headline of an `lnfree eval` summary (its summary.json, read as a dict) for the model `label`:
+    every model's mean CE, the scored tokens per model, and `label` minus the reference model with its
+    bootstrap CI and the unit that bootstrap resamples."""
+    ce = {m["label"]: m["ce"]["mean"] for m in summary["models"]}
+    if label not in ce:
+        raise UsageError(f"{label!r} is not one of the evaluated labels {list(ce)}")
+    model = next(m for m in summary["models"] if m["label"] == label)
+    return {**ce, "scored_tokens": summary["dataset"]["scored_tokens_per_model"],
+            "delta_vs_reference": model.get("delta_ce_vs_reference"),
+            "ci": model.get("delta_ce_vs_reference_ci"), "reference": model.get("reference"),
+            "ci_method": summary["settings"].get("bootstrap_unit")}
+
+
 def peak_memory_gb() -> float:
     """This process's peak resident memory so far, in GB (2**30 bytes; `ru_maxrss`), rounded to 3 decimals.
 

@@ -66,6 +66,13 @@ class Timeline:
                 out.append((event, progress / blend))
         return out
 
+    def upcoming(self, step: int, count: int) -> list[Event]:
+        """At most `count` norm events not yet complete at `step` (after its `actions`): those blending, then
+        those still to come, in schedule order; special-σ stages aside (`train.stability_margin.preview`)."""
+        blending = [e for e in self.applied if e.kind not in SPECIAL_KINDS and step - e.step + 1 < self.blend_of(e)]
+        ahead = [e for group in self.groups[self.next_group:] for e in group if e.kind not in SPECIAL_KINDS]
+        return (blending + ahead)[:count]
+
     def blend_of(self, event: Event) -> int:
         """Steps over which `event`'s norm moves to its fixed σ, or its special σ fades out (1: at once)."""
         return blend_length(event, self.blend_steps)

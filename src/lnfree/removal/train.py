@@ -139,7 +139,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = _forward_backward(s, model, objective, step)
+        totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
             optimizer.step()
@@ -382,10 +382,12 @@ class _Clock:
         return {"seconds": self.seconds(), "cpu_seconds": self.cpu_seconds()}
 
 
-def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: int) -> torch.Tensor:
+def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: int,
+                      upcoming: Callable[[int], list]) -> torch.Tensor:
     """Forward and backward over `step`'s micro-batches (gradients synchronised on the last only), then
-    over its generated rows (`train.coverage`: their gradient capped at a share of the text's); return
-    the loss terms averaged over them, on the device."""
+    over its generated rows (`train.coverage`: their gradient capped at a share of the text's) and the
+    stability margin (`upcoming(n)`: the next n norm switches, for its preview); return the loss terms
+    averaged over them, on the device."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     tails = objective.tails_at(step)
@@ -403,7 +405,8 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
     if coverage is not None:
         totals += _coverage_backward(s, model, objective, step, coverage)
     if margin is not None:
-        totals += _margin_backward(s, model, objective, step, texts, margin)
+        totals += _margin_backward(s, model, objective, step, texts, margin,
+                                   upcoming(margin.preview) if margin.preview else None)
     return totals
 
 
@@ -419,13 +422,14 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
 
 
 def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],
-                     margin) -> torch.Tensor:
+                     margin, preview: list | None) -> torch.Tensor:
     """The stability margin (`lnfree.removal.losses.margin`) on the first rows of each of `step`'s micro-batches
-    (`texts`), after the text's gradients: one perturbed site per micro-step, its gradient capped at
-    `max_grad_share` of what came before it (`_capped_backward`; the uncapped share in `margin_share`)."""
+    (`texts`), after the text's gradients: one perturbed site per micro-step (or the `preview` switches
+    made at once), its gradient capped at `max_grad_share` of what came before it (`_capped_backward`; the
+    uncapped share in `margin_share`)."""
     rank, layers, seed = s.accelerator.process_index, s.arch.n_layers, s.config.train.seed
     passes = (objective.margin(model, ids, margin_site(seed, step, micro, rank, layers=layers, context=ids.shape[1]),
-                               margin) for micro, ids in enumerate(texts))
+                               margin, preview) for micro, ids in enumerate(texts))
     return _capped_backward(s, model, passes, margin.max_grad_share, "margin_share")
 
 

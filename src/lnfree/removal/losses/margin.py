@@ -15,6 +15,12 @@ a fixed norm squares by construction) where its scale exceeds `ratio` × `factor
 unperturbed forward. A model with real norms passes the excess on at most about linearly (each block
 adds what a normalised input makes); the hinge trains the fixed stack to stay within that margin. Both
 extra forwards leave the norms' σ statistics alone, and their logits take no part in the loss.
+
+With real norms the margin reads about 0, so it can act on a block only once its norm is fixed, and in
+SmolLM2-135M a token runs away the moment one is (ln_2 of block 1 fixed, no training: 87×;
+experiments/results/smollm2-135m/). `preview` = n trains for the switches ahead instead: the perturbed
+forward is the same rows with the schedule's next n norms fixed at once (`previewed`), each token hinged
+where its scale exceeds `ratio` × its scale in the forward as the norms are.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lnfree.fixedscale.functional import second_moment
+from lnfree.fixedscale import surgery
 
 #: Mixes the step into the perturbation's seed (another stream than the coverage rows').
 _STREAM = 104729
@@ -49,6 +56,11 @@ class StabilityMargin(BaseModel):
         0.25, gt=0, description="cap its gradient at this share of the text's (by norm, per step), as the coverage "
         "rows' (lnfree.removal.losses.coverage.cap_share): a provoked runaway's gradient is 10^4-10^6, which gradient "
         "clipping would let dominate the step and train.skip_grad_norm would drop; None: no cap")
+    preview: int = Field(0, ge=0, description="0: the perturbation scales one token's residual by `factor`. n > 0: "
+                         "it is instead the next n norm switches of the schedule (those blending included) made at "
+                         "once, every token from position 1 hinged beyond `ratio` × its scale without them (`factor` "
+                         "unused): trains the stack for the switches to come, where the margin alone reads ~0 until "
+                         "a norm is fixed")
 
 
 def margin_site(seed: int, step: int, micro_step: int, rank: int, *, layers: int, context: int) -> tuple[int, int]:
@@ -73,6 +85,24 @@ def perturbed(block: nn.Module, position: int, factor: float):
         yield
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def previewed(model: nn.Module, events: list):
+    """Within: the norms of `model` that `events` (`lnfree.removal.schedule.Event`) switch divide by their σ
+    as fully fixed norms do; their blends are restored on exit (σ itself is frozen while a norm blends or is
+    fixed, so nothing else moves)."""
+    states = [surgery.scale_states(model)[event.slot] for event in events]
+    saved = [(state.mix.clone(), state.fixed.clone(), state.is_fixed, state.is_blending) for state in states]
+    for state in states:
+        state.set_fixed_fraction(1.0)
+    try:
+        yield
+    finally:
+        for state, (mix, fixed, is_fixed, is_blending) in zip(states, saved):
+            state.mix.copy_(mix)
+            state.fixed.copy_(fixed)
+            state.is_fixed, state.is_blending = is_fixed, is_blending
 
 
 def margin_loss(clean: list[torch.Tensor], perturbed_inputs: list[torch.Tensor], position: int, kind: str,

@@ -34,7 +34,7 @@ from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
 from lnfree.removal.losses.distill import ce_and_kl_to_teacher
-from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed
+from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed, previewed
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
     NormInputs,
@@ -176,22 +176,27 @@ class Objective:
         return loss, torch.stack([t.detach() for t in terms])
 
     @contextlib.contextmanager
-    def margin(self, model: nn.Module, input_ids: torch.Tensor, site: tuple[int, int], setting: StabilityMargin):
+    def margin(self, model: nn.Module, input_ids: torch.Tensor, site: tuple[int, int], setting: StabilityMargin,
+               preview: list | None = None):
         """Within: (the loss, the `TERMS`) of the stability margin on the text rows `input_ids`: their norm
         inputs without gradient, then again with the residual entering block `site[0]` scaled by
-        `setting.factor` at position `site[1]`, hinged (`lnfree.removal.losses.margin`). The perturbation and
-        the pause of the norms' σ statistics last until the context exits, so that a backward inside it
-        (and a gradient-checkpointing recompute there) sees the forward the loss came from."""
-        block, position = site
+        `setting.factor` at position `site[1]`, or, with `setting.preview`, with the norm switches `preview`
+        made at once (every token from position 1 then), hinged (`lnfree.removal.losses.margin`). The
+        perturbation and the pause of the norms' σ statistics last until the context exits, so that a backward
+        inside it (and a gradient-checkpointing recompute there) sees the forward the loss came from."""
+        if setting.preview:
+            position, factor, change = 1, 1.0, previewed(self.norm_inputs.model, preview or [])
+        else:
+            position, factor = site[1], setting.factor
+            change = perturbed(self.blocks[site[0]], position, factor)
         with surgery.statistics_paused(self.norm_inputs.model):
             with torch.no_grad(), self.norm_inputs.capturing():
                 self._forward(model, input_ids, labels=False)
             clean = self._residual_inputs()
-            with perturbed(self.blocks[block], position, setting.factor):
+            with change:
                 with self.norm_inputs.capturing():
                     self._forward(model, input_ids, labels=False)
-                hinge = margin_loss(clean, self._residual_inputs(), position, self.norm_kind, setting.factor,
-                                    setting.ratio)
+                hinge = margin_loss(clean, self._residual_inputs(), position, self.norm_kind, factor, setting.ratio)
                 loss = setting.weight * hinge
                 terms = [torch.zeros_like(hinge)] * len(TERMS)
                 terms[0], terms[TERMS.index("margin")] = loss, hinge

