@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from lnfree.cli import app
-from lnfree.evaluate.stress import (OVERFLOW_RATIO, culprit, frequency_ranks, measure, overflow_ratio, repeated_probe_ids,
-                                   repeated_sequences, run_stress, sweep_sequences)
+from lnfree.evaluate.stress import (OVERFLOW_RATIO, Pass, culprit, envelope, frequency_ranks, measure, overflow_ratio,
+                                   repeated_probe_ids, repeated_sequences, run_stress, sweep_sequences)
 
 runner = CliRunner()
 FAST = {"context": 32, "n_sequences": 24, "repeated": 64, "vocab": None}
@@ -98,6 +98,20 @@ def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwr
 def test_probe_counts_must_be_positive_or_all(value):
     result = runner.invoke(app, ["stress", "tiny", "--vocab", value])
     assert result.exit_code == 2 and "--vocab" in result.output
+
+
+def test_a_residual_whose_norm_overflows_is_outside_the_envelope_even_when_its_logits_are_finite():
+    # A partial removal: fixed norms blow a token's residual past fp32's norm, real norms above divide it back.
+    n, length = 3, 5
+    norms = torch.ones(4, n, length)
+    norms[:, 1] = 2.0  # the largest sane sequence
+    norms[2, 2, 3] = float("inf")  # sequence 2, position 3: its norm at layer 2 overflows, its logits stay finite
+    run = Pass(torch.zeros(n, length, dtype=torch.long), norms, torch.ones(n, length, dtype=torch.bool),
+               torch.ones(n, length - 1))
+    limits = envelope(run)
+    assert limits.tolist() == [2.0] * 4  # from the sane sequences only, not inf
+    worst, layer = overflow_ratio(run, limits)
+    assert worst[2, 3] > OVERFLOW_RATIO and layer[2, 3] == 2 and (worst[:2] <= 1).all()
 
 
 def test_the_culprit_is_the_token_that_leaves_the_envelope_at_the_earliest_layer():

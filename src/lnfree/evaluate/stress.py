@@ -82,8 +82,10 @@ def recorded_envelope(stress_json, label: str | None = None) -> tuple[str, torch
 
 def envelope(test: Pass) -> torch.Tensor:
     """The largest residual norm per layer over the test sequences that stayed sane (every logit
-    finite, no token above `CE_LIMIT`); zeros when none did."""
-    sane = test.finite.all(dim=1) & (test.ce <= CE_LIMIT).all(dim=1)
+    finite, no token above `CE_LIMIT`, every residual norm finite: real norms downstream can turn a
+    residual too large for fp32's norm back into finite logits); zeros when none did."""
+    sane = (test.finite.all(dim=1) & (test.ce <= CE_LIMIT).all(dim=1)
+            & test.norms.isfinite().all(dim=0).all(dim=1))
     if not sane.any():
         return torch.zeros(test.norms.shape[0])
     return test.norms[:, sane].flatten(1).max(dim=1).values
