@@ -174,7 +174,8 @@ def test_the_timeline_previews_the_norm_switches_not_yet_complete_in_schedule_or
     from lnfree.removal.schedule import Event
     from lnfree.removal.timeline import Timeline
 
-    events = [Event(2, "ln_2", 0, 3), Event(4, "ln_2", 1, 3), Event(6, "pos0_special", None, 2), Event(7, "ln_f", None, 1)]
+    events = [Event(2, "ln_2", 0, 3), Event(4, "ln_2", 1, 3), Event(6, "pos0_special", None, 2),
+              Event(7, "ln_f", None, 1)]
     timeline = Timeline(events)
     slots = []
     for step in range(9):

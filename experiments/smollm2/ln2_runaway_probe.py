@@ -114,7 +114,8 @@ def main() -> None:
                "secondary_writers": [f"{n.layer}.{n.index}" for n in SECONDARY_WRITERS], "sweeps": {}}
     lines = ["# SmolLM2-135M: tokens that run away as ln_2 is fixed, no fine-tuning", "",
              f"By `experiments/smollm2/ln2_runaway_probe.py`: {results['scored_tokens']:,} held-out validation tokens "
-             f"({args.n_sequences} × 64, position 0 with its own σ); a token runs away when its residual RMS at some layer "
+             f"({args.n_sequences} × 64, position 0 with its own σ); a token runs away when its residual RMS at "
+             "some layer "
              f"exceeds {RUNAWAY:g}× the same model's with every norm real. 'Neurons zeroed': the position-0 writers "
              f"and erasers {', '.join(results['neurons'])}; 'secondary writers zeroed': "
              f"{', '.join(results['secondary_writers'])}, which write the massive activations of ordinary tokens "

@@ -89,7 +89,8 @@ def main() -> None:
         for j in chosen:
             w = model.get_submodule(architecture(model).neurons(block)[1]).weight[:, j].detach().float().norm()
             writers.append({"block": block, "neuron": j, "peak_on_massive_tokens": float(peak[j]),
-                            "q99_elsewhere": float(q99[j]), "output_over_median_mlp_output": float(peak[j] * w / typical),
+                            "q99_elsewhere": float(q99[j]),
+                            "output_over_median_mlp_output": float(peak[j] * w / typical),
                             "massive_tokens_firing": int((on[:, j] >= args.neuron_ratio * q99[j]).sum())})
     writers.sort(key=lambda w: -w["output_over_median_mlp_output"])
     results = {"sequences": args.n_sequences, "tokens_after_position_0": int(anywhere.numel()),
@@ -98,17 +99,20 @@ def main() -> None:
     lines = ["# SmolLM2-135M: massive activations on tokens other than position 0 (original, every norm real)", "",
              f"By `experiments/smollm2/secondary_massive.py`: {anywhere.numel():,} tokens at positions ≥ 1 of the "
              f"first {args.n_sequences} × 64 held-out validation sequences; a token is massive at a layer when its "
-             f"residual RMS exceeds {args.ratio:g}× the median token's there. {int(anywhere.sum())} tokens are massive "
-             "at some layer after the embedding.", "",
-             "| layer (0: embedding) | massive tokens | largest × median | position 0 × median | most frequent | at positions |",
+             f"residual RMS exceeds {args.ratio:g}× the median token's there. {int(anywhere.sum())} tokens are "
+             "massive at some layer after the embedding. Layer 0 is the embedding, layer k the output of block k − 1 "
+             "(the last one after the final norm).", "",
+             "| layer | massive tokens | largest × median | position 0 × median | most frequent | at positions |",
              "|---|---|---|---|---|---|"]
     for r in layers:
         top = ", ".join(f"{n!r} ×{c}" for n, c in r["top_tokens"][:4])
         where = ", ".join(f"{p} ×{c}" for p, c in r["top_positions"][:4])
-        lines.append(f"| {r['layer']} | {r['tokens']} | {r['max_ratio']:.2f} | {r['position0_ratio']:.1f} | {top} | {where} |")
+        lines.append(f"| {r['layer']} | {r['tokens']} | {r['max_ratio']:.2f} | {r['position0_ratio']:.1f} | {top} "
+                     f"| {where} |")
     lines += ["", f"Neurons whose |activation| on those tokens reaches {args.neuron_ratio:g}× their 99th percentile "
               "over the other tokens (largest output first, 25 shown):", "",
-              "| block | neuron | peak on massive tokens | 99th pct elsewhere | output × median MLP output | massive tokens it fires on |",
+              "| block | neuron | peak on massive tokens | 99th pct elsewhere | output × median MLP output "
+              "| massive tokens it fires on |",
               "|---|---|---|---|---|---|"]
     for w in writers[:25]:
         lines.append(f"| {w['block']} | {w['neuron']} | {w['peak_on_massive_tokens']:.3g} | {w['q99_elsewhere']:.3g} | "

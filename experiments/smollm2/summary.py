@@ -7,9 +7,9 @@ STAGE is ln_f_only or ln_free (SmolLM2-135M, Gemma 3 270M: the model is the run'
 RUNS/STAGE and RUNS/STAGE-vanilla (log.jsonl, the run config, the latest checkpoint's removal
 state), OUT/eval/summary.json (CE on the whole test split, the block-bootstrap CI of the
 difference to the vanilla control, JSD) and the analyses under OUT/analysis (DLA; position 0's
-residual norm ratio per layer). Copies each run's log and config beside the summary. Nothing is typed in by hand. While the vanilla control is
-not finished (no summary.json in its folder) or not in the evaluation, its numbers are null and
-`pending` says so.
+residual norm ratio per layer). Copies each run's log and config beside the summary. Nothing is
+typed in by hand. While the vanilla control is not finished (no summary.json in its folder) or not
+in the evaluation, its numbers are null and `pending` says so.
 """
 
 from __future__ import annotations
