@@ -343,7 +343,7 @@ def test_the_position0_tail_pulls_a_planted_massive_first_token_in(run_config, t
     base = with_overrides(run_config(max_steps=24, learning_rate=5e-3, eval_every=0),
                           {"model": str(tmp_path / "massive0")})
     plain = run(base, progress=False)
-    pulled = run(with_overrides(base, {"train.position0_tail": {"ratio": 1.5, "weight": 0.1, "start": 2},
+    pulled = run(with_overrides(base, {"train.position0_tail": {"ratio": 1.5, "weight": 0.3, "start": 2},
                                        "output_dir": str(tmp_path / "pulled")}), progress=False)
     def losses(result) -> dict[int, dict]:
         records = [json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()]
@@ -364,9 +364,11 @@ def test_the_position0_tail_pulls_a_planted_massive_first_token_in(run_config, t
                 [float(r[:, 0].median() / r[:, 1:].median()) for r in rms])
 
     (hinge_plain, ratios_plain), (hinge_pulled, ratios_pulled) = position0(plain), position0(pulled)
-    assert hinge_pulled < 0.7 * hinge_plain  # measured 3.53 against 6.51
+    # Measured 3.34 against 6.27 (Intel Xeon with AMX). 24 steps at this learning rate are sensitive to the CPU's
+    # kernels: at weight 0.1 an AMD EPYC gave 3.53 against 6.51, this Xeon 4.55 against 6.27.
+    assert hinge_pulled < 0.7 * hinge_plain
     # Lower at every norm input past the first (the embedding itself, which 24 steps barely move).
-    assert all(a < b for a, b in zip(ratios_pulled[1:], ratios_plain[1:]))  # e.g. 1.67 against 2.35 at ln_f
+    assert all(a < b for a, b in zip(ratios_pulled[1:], ratios_plain[1:]))  # e.g. 1.80 against 2.34 at ln_f
 
 
 def test_a_run_can_hinge_what_position0_leaves_its_norms_with(run_config):
