@@ -80,6 +80,16 @@ def planted(model):
     return model
 
 
+def planted_folder(folder):
+    """`planted` on a tiny Llama over the tiny corpus's tokenizer, saved with it in `folder` (a run's model)."""
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    model = planted(tiny_family("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def fixed(model, ids):
     """`model` with lnfree norms installed, every σ measured on `ids` and fixed."""
     model = surgery.install(model)
@@ -126,12 +136,7 @@ def test_a_fixed_gated_model_pays_a_margin_its_real_norms_do_not_and_the_gradien
 def test_a_run_with_the_margin_logs_it_and_resumes_exactly(tmp_path):
     from conftest import quick_run_config
 
-    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
-
-    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    model = planted(tiny_family("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    planted_folder(tmp_path / "model")
     config = quick_run_config(tmp_path / "run", tmp_path / "model", tmp_path / "cache", save_every=5,
                               stability_margin={"factor": 4.0, "ratio": 1.5, "rows": 2, "start": 3})
     full = run(config, progress=False)
@@ -221,12 +226,7 @@ def test_a_preview_fixes_the_upcoming_norms_only_within_and_trains_a_planted_neu
 def test_a_run_previews_the_switches_ahead_and_its_vanilla_control_reads_zero(tmp_path):
     from conftest import quick_run_config
 
-    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
-
-    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    model = planted(tiny_family("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    planted_folder(tmp_path / "model")
     config = quick_run_config(tmp_path / "run", tmp_path / "model", tmp_path / "cache", max_steps=12,
                               stability_margin={"ratio": 1.2, "rows": 2, "preview": 2})
 

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from lnfree.evaluate.results import ce_headline
+from lnfree.removal.records import cpu_hours
 from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
@@ -28,12 +29,6 @@ def _json(path: Path) -> dict:
     if not path.is_file():
         raise SystemExit(f"{path} is missing: run experiments/robust/run.sh first")
     return json.loads(path.read_text())
-
-
-def cpu_hours(run: Path) -> float:
-    """Process CPU time of a run's training (its log's last `cpu_seconds`, resumes included), in hours."""
-    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    return round(max(r.get("cpu_seconds", 0.0) for r in records) / 3600, 3)
 
 
 def position0(out: Path) -> dict:

@@ -39,17 +39,25 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
   esac
 }
 
+pilot_run() {  # pilot_run ARM DIR RECORD_DIR EXTRA_ARGS...: start, resume, or leave a finished run alone
+  local arm=$1 dir=$2 record=$3
+  shift 3
+  local args=("$@") setting
+  while IFS= read -r setting; do [[ -n $setting ]] && args+=(--set "$setting"); done < <(arm_settings "$arm")
+  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
+    echo "$dir is finished (delete it to run again)"
+    return 0
+  fi
+  [[ -f $REPO_ROOT/$dir/run_config.json ]] && args+=(--resume)
+  run "$record" lnfree remove --config "$config" -o "$dir" "${args[@]}"
+}
+
 if [[ ${1:-} == stress ]]; then
   labels=(original)
   models=(smollm2-135m)
   for arm in control preview; do
     dir=$runs/ckpt_$arm
-    args=(--set train.save_every=25 --set train.keep_checkpoints=16)
-    while IFS= read -r setting; do [[ -n $setting ]] && args+=(--set "$setting"); done < <(arm_settings "$arm")
-    if [[ ! -f $REPO_ROOT/$dir/summary.json ]]; then
-      [[ -f $REPO_ROOT/$dir/run_config.json ]] && args+=(--resume)
-      run "$out/stress" lnfree remove --config "$config" -o "$dir" "${args[@]}"
-    fi
+    pilot_run "$arm" "$dir" "$out/stress" --set train.save_every=25 --set train.keep_checkpoints=16
     for step in 100 125; do
       models+=("$dir/checkpoints/step_000$step")
       labels+=("${arm}_$step")
@@ -64,14 +72,7 @@ arms=("$@")
 [[ ${#arms[@]} -eq 0 ]] && arms=(control margin output_tail neuron_range skip_spikes preview)
 for arm in "${arms[@]}"; do
   dir=$runs/ln2_$arm
-  args=()
-  while IFS= read -r setting; do [[ -n $setting ]] && args+=(--set "$setting"); done < <(arm_settings "$arm")
-  if [[ -f $REPO_ROOT/$dir/summary.json ]]; then
-    echo "$dir is finished (delete it to run again)"
-  else
-    [[ -f $REPO_ROOT/$dir/run_config.json ]] && args+=(--resume)
-    run "$out/$arm" lnfree remove --config "$config" -o "$dir" "${args[@]}"
-  fi
+  pilot_run "$arm" "$dir" "$out/$arm"
   [[ $DRY_RUN == 1 ]] && continue
   mkdir -p "$REPO_ROOT/$out/$arm"
   for name in log.jsonl run_config.json start.json summary.json; do

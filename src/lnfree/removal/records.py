@@ -22,7 +22,7 @@ from lnfree.errors import LnfreeError
 from lnfree.fixedscale import surgery
 from lnfree.fixedscale.ceiling import set_ceiling, watching
 from lnfree.data.documents import TokenData
-from lnfree.removal.layout import checkpoints
+from lnfree.removal.layout import LOG, checkpoints
 from lnfree.removal.losses.massive import massive_scales
 from lnfree.removal.schedule import SPECIAL_KINDS, Event
 from lnfree.removal.timeline import Timeline
@@ -143,6 +143,13 @@ class RunLog:
         """Drop the records of work after `step`, which a run resumed there repeats (main process only)."""
         if self.accelerator.is_main_process:
             truncate_log(self.path, step)
+
+
+def cpu_hours(run: Path) -> float:
+    """Process CPU time of a run's training in hours, resumes included: the largest `cpu_seconds` in its
+    log (`LOG`), rounded to 3 decimals (0 for a log written before lnfree recorded it)."""
+    records = [json.loads(line) for line in (Path(run) / LOG).read_text().splitlines() if line.strip()]
+    return round(max((r.get("cpu_seconds", 0.0) for r in records), default=0.0) / 3600, 3)
 
 
 def truncate_log(path: Path, step: int) -> None:
