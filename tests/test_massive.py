@@ -80,6 +80,21 @@ def test_planted_neuron_is_found_alone_and_zeroing_it_leaves_no_gradient(family)
             assert float(proj.bias.grad[5]) == 0
 
 
+def test_listed_neurons_are_damped_instead_of_the_found_ones_and_a_run_records_them(run_config, planted_model,
+                                                                                     tmp_path):
+    model = tiny_family("llama")
+    ids = first_token_ids()
+    listed = find_massive_neurons(model, ids.split(4), listed=[(0, 3), (1, 7), (1, 2)])
+    assert [(n.layer, n.index) for n in listed] == [(0, 3), (1, 2), (1, 7)] and all(n.position0 > 0 for n in listed)
+    config = with_overrides(planted_config(run_config, planted_model, steps=6),
+                            {"removal.massive_neurons.neurons": [[0, 4]], "output_dir": str(tmp_path / "listed")})
+    result = run(config, progress=False)
+    assert [(n["layer"], n["index"]) for n in json.loads((result.output_dir / NEURONS_FILE).read_text())] == [(0, 4)]
+    weight = result.model.get_submodule(architecture(result.model).block(0, architecture(result.model).mlp_out)).weight
+    column = weight[4] if architecture(result.model).conv1d else weight[:, 4]
+    assert float(column.detach().abs().max()) == 0.0  # the listed neuron, not the planted one (1, 0), is zeroed
+
+
 def test_damping_scales_geometrically_then_zeroes_and_a_fresh_object_continues_exactly():
     model = tiny_family("llama")
     config = MassiveNeurons(start=2, steps=4, floor=1e-2)

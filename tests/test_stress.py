@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -55,6 +56,13 @@ def test_the_original_shows_zero_overflow_and_its_ln_free_form_is_measured_again
     assert original.repeated_probes == 64 and original.test_tokens == 24 * 31
     assert original.max_growth_vs_first is None and ln_free.max_growth_vs_first > 0
     assert len(ln_free.growth_vs_first) == 5  # 4 block inputs and the final norm's input
+
+
+def test_a_token_above_30_nats_is_counted_on_its_own_not_as_an_overflow():
+    original = run_stress(["tiny"], "tiny", labels=["original"], **FAST).records[0]
+    badly = dataclasses.replace(original, test_tokens_over_30_nats=1)
+    assert badly.overflow_total == original.overflow_total == 0
+    assert dataclasses.replace(original, test_overflow_tokens=2, repeated_overflow=1).overflow_total == 3
 
 
 def test_a_planted_outlier_embedding_is_caught_by_the_sweep_not_the_test_split(tiny_ln_free_export, tmp_path):

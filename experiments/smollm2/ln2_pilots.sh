@@ -12,6 +12,8 @@
 #                 coverage entry of experiments/robust/gemma3.toml: repeated ids fail first
 #   lr3x          three times the learning rate (3e-4 to 9e-5): Adam moves a weight about one learning rate a
 #                 step, so a block's 12 steps bound how far it can adapt, whatever the tokens per step
+#   damp_writers  block 2's neurons 430 and 90, which write the massive activations of ordinary tokens (' the';
+#                 experiments/smollm2/secondary_massive.py), damped out over steps 0-99 (removal.massive_neurons)
 #   slow_pace     30 steps a block instead of 12 (the same idea by steps: the run, its ceiling's release and
 #                 position 0's fade lengthened to match; judged by the block at which it overflows)
 #
@@ -42,11 +44,12 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     skip_spikes) echo 'train.skip_grad_norm=1e5' ;;
     preview) echo 'train.stability_margin={"factor": 4.0, "ratio": 2.0, "rows": 1, "weight": 1.0, "start": 0, "max_grad_share": 0.25, "preview": 3}' ;;
     coverage) echo 'train.coverage=[{"rows": 1, "repeated_share": 0.5, "ratio": 2.0, "weight": 1.0, "kl_weight": 0.5, "start": 0, "max_grad_share": 0.25}]' ;;
+    damp_writers) echo 'removal.massive_neurons={"neurons": [[2, 430], [2, 90]], "start": 0, "steps": 100}' ;;
     lr3x) printf '%s\n' train.learning_rate=3e-4 train.min_learning_rate=9e-5 ;;
     slow_pace)
       printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919 \
         "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 30, \"blend_steps\": 30, \"layers\": [$(seq -s ', ' 0 29)]}, {\"kind\": \"pos0_special\", \"start\": 910, \"blend_steps\": 9}]" ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | lr3x | slow_pace)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | lr3x | slow_pace)" ;;
   esac
 }
 

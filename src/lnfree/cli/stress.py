@@ -75,6 +75,9 @@ def stress(
     (out / "stress.md").write_text(page)
     typer.echo(page.split("\n## ")[0].rstrip())
     typer.echo(f"written to {out}/ ({', '.join(STRESS_FILES)})")
+    badly = [f"{r.label} ({r.test_tokens_over_30_nats})" for r in report.records if r.test_tokens_over_30_nats]
+    if badly:
+        typer.echo(f"test tokens above 30 nats (not overflows): {', '.join(badly)}")
     broken = [r.label for r in report.records if r.overflow_total]
     if broken:
         typer.secho(f"overflow: {', '.join(broken)}", fg=typer.colors.RED, err=True)

@@ -282,7 +282,7 @@ def _damping(config: RunConfig, model: nn.Module, batches: StepBatches, out: Pat
     if resume:
         return Damping.load(massive, out)
     probe = _probe(config, batches, next(model.parameters()).device)
-    damping = Damping(massive, find_massive_neurons(model, probe, massive.ratio, massive.min_output))
+    damping = Damping(massive, find_massive_neurons(model, probe, massive.ratio, massive.min_output, massive.neurons))
     if main:
         damping.save(out)
     logger.info("massive-activation neurons to damp: %s",

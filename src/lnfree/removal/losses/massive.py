@@ -52,6 +52,9 @@ class MassiveNeurons(BaseModel):
     start: int = Field(0, ge=0, description="first damping step")
     steps: int = Field(100, ge=1, description="damping length: output scaled geometrically from 1 to `floor`, then zero")
     floor: float = Field(1e-4, gt=0, lt=1, description="the last scale before the neurons are zeroed")
+    neurons: list[tuple[int, int]] | None = Field(
+        None, description="damp exactly these (block, neuron) instead of the ones found (e.g. writers of massive "
+        "activations on ordinary tokens, which the position-0 criterion does not see); `ratio` and `min_output` unused")
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,10 @@ class Neuron:
 
 
 @torch.no_grad()
-def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_output: float = 10.0) -> list[Neuron]:
-    """The MLP neurons of `model` that write massive activations at position 0, measured on `batches` of ids.
+def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_output: float = 10.0,
+                         listed: list[tuple[int, int]] | None = None) -> list[Neuron]:
+    """The MLP neurons of `model` that write massive activations at position 0, measured on `batches` of ids
+    (`listed`: these (block, neuron) instead, with the same measurements).
 
     Per neuron: the mean |activation| at position 0, and the largest over batches of the 99th
     percentile at the other positions (statistics per batch: memory does not grow with the batches).
@@ -106,6 +111,9 @@ def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_out
         weight = _neuron_weights(model.get_submodule(arch.neurons(layer)[1]), arch.conv1d, output=True)
         out_ratio = mean_first * weight.detach().float().norm(dim=0) / typical
         chosen = (mean_first >= ratio * elsewhere[layer].clamp_min(1e-12)) & (out_ratio >= min_output)
+        if listed is not None:
+            chosen = torch.zeros_like(chosen)
+            chosen[[j for i, j in listed if i == layer]] = True
         for j in chosen.nonzero().flatten().tolist():
             found.append(Neuron(layer, j, float(mean_first[j]), float(elsewhere[layer][j]), float(out_ratio[j])))
     return found
