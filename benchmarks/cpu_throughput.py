@@ -45,7 +45,7 @@ import torch
 from throughput import bench_config
 
 from lnfree.removal.config import with_overrides
-from lnfree.removal.precision import cpu_has_native_bf16
+from lnfree.removal.precision import cpu_description, cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None,
@@ -129,7 +129,8 @@ def table(result: dict) -> list[str]:
     a = result["args"]
     lines = [f"# {result['model']}: {result['tokens_per_step']} tokens per step, {a['steps']} steps per run (median "
              f"after {a['warmup']}), {a['rounds']} rounds, chunks of {a['chunk']} tokens, "
-             f"OMP_NUM_THREADS={result['threads']}, native bf16: {result['native_bf16']}", "",
+             f"OMP_NUM_THREADS={result['threads']}, native bf16: {result['native_bf16']}, "
+             f"CPU: {result.get('cpu', 'not recorded')}", "",
              "| variant | tokens / CPU-hour | tokens / hour | CPU s / step | s / step | "
              f"CPU throughput / {result['baseline']}, per round | wall throughput / {result['baseline']}, per round | "
              "first steps, s (CPU s) |",
@@ -183,6 +184,7 @@ def main() -> None:
                       f"{row['median_step_seconds']:.2f} s/step", flush=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "model": config.model, "torch": torch.__version__,
               "tokens_per_step": config.train.tokens_per_step, "native_bf16": cpu_has_native_bf16(),
+              "cpu": cpu_description(),
               "threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "baseline": baseline, "summary": summarise(runs, baseline), "runs": runs}
     out = args.out or ROOT / "benchmarks" / "results" / f"cpu_throughput_{config.model.replace('/', '_')}"
     (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1))

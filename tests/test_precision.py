@@ -33,6 +33,16 @@ def test_native_bf16_is_read_from_the_cpus_flags(tmp_path):
     assert detect(tmp_path / "absent") is False  # not Linux: no /proc/cpuinfo
 
 
+def test_the_cpu_is_described_by_its_model_name_and_bf16_flags(tmp_path):
+    describe = precision.cpu_description.__wrapped__
+    (tmp_path / "xeon").write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                                   "flags\t\t: fpu avx512f amx_tile amx_bf16 avx512_bf16\n")
+    (tmp_path / "old").write_text("model name\t: AMD EPYC 7B12\nflags\t\t: fpu avx2\n")
+    assert describe(tmp_path / "xeon") == "Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16)"
+    assert describe(tmp_path / "old") == "AMD EPYC 7B12 (no native bf16)"
+    assert describe(tmp_path / "absent") == "unknown"
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_is_bf16_on_a_cpu_only_when_the_run_opts_in_and_the_cpu_has_native_bf16(monkeypatch, native):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)

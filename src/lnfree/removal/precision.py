@@ -34,6 +34,19 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(flags & BF16_CPU_FLAGS)
 
 
+@functools.cache
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's model name and its native-bf16 flags (benchmark records: timings differ between CPUs);
+    "unknown" where `cpuinfo` cannot be read."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[-1].strip() for line in lines if line.startswith("model name")), "unknown")
+    flags = {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
+    return f"{name} ({', '.join(sorted(flags & BF16_CPU_FLAGS)) or 'no native bf16'})"
+
+
 def auto_bf16(device: torch.device, cpu_opt_in: bool = False) -> bool:
     """Whether `auto` is bf16 on `device`: a CUDA device that supports it, or (with `cpu_opt_in`,
     `train.auto_cpu_bf16`) a CPU with native bf16 (`cpu_has_native_bf16`)."""
