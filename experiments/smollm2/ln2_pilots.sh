@@ -14,6 +14,8 @@
 #                 step, so a block's 12 steps bound how far it can adapt, whatever the tokens per step
 #   damp_writers  block 2's neurons 430 and 90, which write the massive activations of ordinary tokens (' the';
 #                 experiments/smollm2/secondary_massive.py), damped out over steps 0-99 (removal.massive_neurons)
+#   early_last    the ln_2 of blocks 0-2 fixed last (3, 4, ..., 29, then 0, 1, 2): block 2's MLP is where the
+#                 runaway starts (runaway_origin/), so its real norm keeps that sink-writing path bounded meanwhile
 #   slow_pace     30 steps a block instead of 12 (the same idea by steps: the run, its ceiling's release and
 #                 position 0's fade lengthened to match; judged by the block at which it overflows)
 #
@@ -22,6 +24,9 @@
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] stress      the control and the preview arm again with a
 #       checkpoint every 25 steps (runs/smollm2-135m-pilots/ckpt_ARM; the same training), then `lnfree stress` of
 #       their steps 100 and 125 on the whole validation half (ln2_pilots/stress/)
+#   experiments/smollm2/ln2_pilots.sh [--dry-run] origin      the control and the damp_writers arm with a
+#       checkpoint every 25 steps (as for stress; they may be stopped once step 125 is written), then
+#       experiments/smollm2/runaway_origin.py on their steps 100 and 125 (runaway_origin/): where the runaway starts
 #
 # Two invocations with different arms can run side by side (OMP_NUM_THREADS=1 each). Every run resumes; a
 # finished one is left alone. Runs (weights) go to runs/smollm2-135m-pilots/ARM (not committed); each run's
@@ -46,10 +51,12 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     coverage) echo 'train.coverage=[{"rows": 1, "repeated_share": 0.5, "ratio": 2.0, "weight": 1.0, "kl_weight": 0.5, "start": 0, "max_grad_share": 0.25}]' ;;
     damp_writers) echo 'removal.massive_neurons={"neurons": [[2, 430], [2, 90]], "start": 0, "steps": 100}' ;;
     lr3x) printf '%s\n' train.learning_rate=3e-4 train.min_learning_rate=9e-5 ;;
+    early_last)
+      echo "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 12, \"blend_steps\": 12, \"layers\": [$(seq -s ', ' 3 29), 0, 1, 2]}, {\"kind\": \"pos0_special\", \"start\": 370, \"blend_steps\": 9}]" ;;
     slow_pace)
       printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919 \
         "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 30, \"blend_steps\": 30, \"layers\": [$(seq -s ', ' 0 29)]}, {\"kind\": \"pos0_special\", \"start\": 910, \"blend_steps\": 9}]" ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | lr3x | slow_pace)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace)" ;;
   esac
 }
 
@@ -66,14 +73,29 @@ pilot_run() {  # pilot_run ARM DIR RECORD_DIR EXTRA_ARGS...: start, resume, or l
   run "$record" lnfree remove --config "$config" -o "$dir" "${args[@]}"
 }
 
+checkpointed() {  # checkpointed ARM RECORD_DIR: the arm again with a checkpoint every 25 steps -> its folder
+  pilot_run "$1" "$runs/ckpt_$1" "$2" --set train.save_every=25 --set train.keep_checkpoints=16 >&2
+  echo "$runs/ckpt_$1/checkpoints"
+}
+
+if [[ ${1:-} == origin ]]; then
+  checkpoints=()
+  for arm in control damp_writers; do
+    dir=$(checkpointed "$arm" "$RESULTS/smollm2-135m/runaway_origin")
+    checkpoints+=("$dir/step_000100" "$dir/step_000125")
+  done
+  run "$RESULTS/smollm2-135m/runaway_origin" "$(python_bin)" experiments/smollm2/runaway_origin.py "${checkpoints[@]}" \
+    --labels control_100 control_125 damp_writers_100 damp_writers_125
+  exit 0
+fi
+
 if [[ ${1:-} == stress ]]; then
   labels=(original)
   models=(smollm2-135m)
   for arm in control preview; do
-    dir=$runs/ckpt_$arm
-    pilot_run "$arm" "$dir" "$out/stress" --set train.save_every=25 --set train.keep_checkpoints=16
+    dir=$(checkpointed "$arm" "$out/stress")
     for step in 100 125; do
-      models+=("$dir/checkpoints/step_000$step")
+      models+=("$dir/step_000$step")
       labels+=("${arm}_$step")
     done
   done
