@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from families import FAMILIES, tiny_family
 from lnfree.arch import architecture
+from lnfree.errors import UsageError
 from lnfree.removal.config import with_overrides
 from lnfree.forms.export import export_run
 from lnfree.removal.losses.massive import (
@@ -86,6 +87,9 @@ def test_listed_neurons_are_damped_instead_of_the_found_ones_and_a_run_records_t
     ids = first_token_ids()
     listed = find_massive_neurons(model, ids.split(4), listed=[(0, 3), (1, 7), (1, 2)])
     assert [(n.layer, n.index) for n in listed] == [(0, 3), (1, 2), (1, 7)] and all(n.position0 > 0 for n in listed)
+    for wrong in ([(9, 0)], [(1, 10_000)], [(0, -1)]):
+        with pytest.raises(UsageError, match="no neuron"):
+            find_massive_neurons(model, ids.split(4), listed=wrong)
     config = with_overrides(planted_config(run_config, planted_model, steps=6),
                             {"removal.massive_neurons.neurons": [[0, 4]], "output_dir": str(tmp_path / "listed")})
     result = run(config, progress=False)

@@ -22,28 +22,32 @@ import torch
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def _cpuinfo(path: Path) -> tuple[list[str], set[str]] | None:
+    """The lines of `path` (/proc/cpuinfo) and the CPU's flags; None where it cannot be read (not Linux)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    return lines, {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
+
+
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when this CPU multiplies bf16 matrices natively (a flag of `BF16_CPU_FLAGS`); False where
     `cpuinfo` cannot be read (not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    flags = {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
-    return bool(flags & BF16_CPU_FLAGS)
+    read = _cpuinfo(cpuinfo)
+    return read is not None and bool(read[1] & BF16_CPU_FLAGS)
 
 
 @functools.cache
 def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """This CPU's model name and its native-bf16 flags (benchmark records: timings differ between CPUs);
     "unknown" where `cpuinfo` cannot be read."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
+    read = _cpuinfo(cpuinfo)
+    if read is None:
         return "unknown"
+    lines, flags = read
     name = next((line.split(":", 1)[-1].strip() for line in lines if line.startswith("model name")), "unknown")
-    flags = {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
     return f"{name} ({', '.join(sorted(flags & BF16_CPU_FLAGS)) or 'no native bf16'})"
 
 

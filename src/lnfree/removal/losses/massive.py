@@ -78,6 +78,11 @@ def find_massive_neurons(model: nn.Module, batches, ratio: float = 20.0, min_out
     percentile at the other positions (statistics per batch: memory does not grow with the batches).
     """
     arch = architecture(model)
+    for layer, index in listed or []:
+        out = model.get_submodule(arch.neurons(layer)[1]) if 0 <= layer < arch.n_layers else None
+        if out is None or not 0 <= index < _neuron_weights(out, arch.conv1d, output=True).shape[1]:
+            raise UsageError(f"removal.massive_neurons.neurons: the model has no neuron {index} in block {layer} "
+                             f"({arch.n_layers} blocks)")
     first: dict[int, torch.Tensor] = {}
     elsewhere: dict[int, torch.Tensor] = {}
     outputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.n_layers)}
