@@ -24,9 +24,10 @@
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] stress      the control and the preview arm again with a
 #       checkpoint every 25 steps (runs/smollm2-135m-pilots/ckpt_ARM; the same training), then `lnfree stress` of
 #       their steps 100 and 125 on the whole validation half (ln2_pilots/stress/)
-#   experiments/smollm2/ln2_pilots.sh [--dry-run] origin      the control and the damp_writers arm with a
-#       checkpoint every 25 steps (as for stress; they may be stopped once step 125 is written), then
-#       experiments/smollm2/runaway_origin.py on their steps 100 and 125 (runaway_origin/): where the runaway starts
+#   experiments/smollm2/ln2_pilots.sh [--dry-run] origin      the control, damp_writers and early_last arms with a
+#       checkpoint every 25 steps (as for stress; each may be stopped once its last step below is written), then
+#       experiments/smollm2/runaway_origin.py on their last finite and first non-finite evaluation's steps
+#       (100 and 125; early_last: 125 and 150) (runaway_origin/): where the runaway starts
 #
 # Two invocations with different arms can run side by side (OMP_NUM_THREADS=1 each). Every run resumes; a
 # finished one is left alone. Runs (weights) go to runs/smollm2-135m-pilots/ARM (not committed); each run's
@@ -80,12 +81,18 @@ checkpointed() {  # checkpointed ARM RECORD_DIR: the arm again with a checkpoint
 
 if [[ ${1:-} == origin ]]; then
   checkpoints=()
-  for arm in control damp_writers; do
+  labels=()
+  for arm_steps in control:100,125 damp_writers:100,125 early_last:125,150; do
+    arm=${arm_steps%%:*}
+    steps=${arm_steps#*:}
     dir=$(checkpointed "$arm" "$RESULTS/smollm2-135m/runaway_origin")
-    checkpoints+=("$dir/step_000100" "$dir/step_000125")
+    for step in ${steps//,/ }; do
+      checkpoints+=("$dir/step_000$step")
+      labels+=("${arm}_$step")
+    done
   done
   run "$RESULTS/smollm2-135m/runaway_origin" "$(python_bin)" experiments/smollm2/runaway_origin.py "${checkpoints[@]}" \
-    --labels control_100 control_125 damp_writers_100 damp_writers_125
+    --labels "${labels[@]}"
   exit 0
 fi
 
