@@ -41,6 +41,13 @@ config=experiments/smollm2/cpu_ln2_bottom_up.toml
 runs=runs/smollm2-135m-pilots
 out=$RESULTS/smollm2-135m/ln2_pilots
 
+ln2_schedule() {  # ln2_schedule STEPS_A_BLOCK POS0_FADE_START LAYER...: the control's schedule at another pace or order
+  local pace=$1 fade=$2 layers
+  shift 2
+  layers=$(printf '%s, ' "$@")
+  echo "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": $pace, \"blend_steps\": $pace, \"layers\": [${layers%, }]}, {\"kind\": \"pos0_special\", \"start\": $fade, \"blend_steps\": 9}]"
+}
+
 arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per line
   case "$1" in
     control) ;;
@@ -52,11 +59,10 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     coverage) echo 'train.coverage=[{"rows": 1, "repeated_share": 0.5, "ratio": 2.0, "weight": 1.0, "kl_weight": 0.5, "start": 0, "max_grad_share": 0.25}]' ;;
     damp_writers) echo 'removal.massive_neurons={"neurons": [[2, 430], [2, 90]], "start": 0, "steps": 100}' ;;
     lr3x) printf '%s\n' train.learning_rate=3e-4 train.min_learning_rate=9e-5 ;;
-    early_last)
-      echo "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 12, \"blend_steps\": 12, \"layers\": [$(seq -s ', ' 3 29), 0, 1, 2]}, {\"kind\": \"pos0_special\", \"start\": 370, \"blend_steps\": 9}]" ;;
+    early_last) ln2_schedule 12 370 $(seq 3 29) 0 1 2 ;;
     slow_pace)
-      printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919 \
-        "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": 30, \"blend_steps\": 30, \"layers\": [$(seq -s ', ' 0 29)]}, {\"kind\": \"pos0_special\", \"start\": 910, \"blend_steps\": 9}]" ;;
+      printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919
+      ln2_schedule 30 910 $(seq 0 29) ;;
     *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace)" ;;
   esac
 }
