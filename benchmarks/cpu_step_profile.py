@@ -42,13 +42,11 @@ def child(config_path: Path, precision: str, out: Path) -> None:
     import lnfree.removal.train as train
     from lnfree.removal.config import load_config, with_overrides
 
-    config = load_config(config_path)
-    # a removal run fixes its first stage's norms at step 1, so that its schedule fits in 3 steps
-    stages = config.removal.schedule.stages if config.removal.mode == "remove" else []
-    config = with_overrides(config, {
-        "output_dir": str(out.parent / f"run_{precision}"), "train.max_steps": 3, "train.eval_every": 0,
-        "train.save_every": 0, "train.mixed_precision": precision, "data.eval_sequences": 2,
-        **({"removal.schedule": {"stages": [{"kind": stages[0].kind, "start": 1, "gap": 0}]}} if stages else {})})
+    from throughput import bench_overrides
+
+    # cut to 3 steps as the throughput benchmarks cut a run (a removal at step 1, no ceiling or special σ)
+    config = with_overrides(load_config(config_path), {**bench_overrides(3, out.parent / f"run_{precision}"),
+                                                       "train.mixed_precision": precision})
     profiler, calls, step = profile(activities=[ProfilerActivity.CPU]), [0], train._forward_backward
 
     def profiled_step(*args, **kwargs):  # a benchmark-only wrapper: the third call runs under the profiler
