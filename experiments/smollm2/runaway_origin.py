@@ -26,6 +26,7 @@ from lnfree.data.documents import prepare_data
 from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.forms.export import load_checkpoint
 from lnfree.removal.config import DataConfig
+from lnfree.removal.losses.massive import captured_input
 
 
 @torch.no_grad()
@@ -41,15 +42,9 @@ def residuals(model, ids: torch.Tensor, batch: int = 8) -> torch.Tensor:
 @torch.no_grad()
 def writers(model, ids: torch.Tensor, block: int, position: int, top: int = 4) -> list[dict]:
     """The neurons of `block`'s MLP that write most of the token at `position` of the one sequence `ids`."""
-    down = model.get_submodule(architecture(model).neurons(block)[1])
-    seen = []
-    hook = down.register_forward_hook(lambda module, args, output: seen.append(args[0][0].float()))
-    try:
-        model(input_ids=ids[None], use_cache=False)
-    finally:
-        hook.remove()
-    weight = down.weight.float().norm(dim=0)
-    writes = seen[0].abs() * weight  # positions × neurons
+    path = architecture(model).neurons(block)[1]
+    weight = model.get_submodule(path).weight.float().norm(dim=0)
+    writes = captured_input(model, path, ids[None])[0].abs() * weight  # positions × neurons
     elsewhere = torch.cat([writes[1:position], writes[position + 1:]]).amax(0)
     chosen = writes[position].topk(top)
     return [{"neuron": int(j), "writes": float(v), "largest_elsewhere": float(elsewhere[j])}

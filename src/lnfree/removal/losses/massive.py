@@ -251,7 +251,7 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
     embedded, typical = (states[i].norm(dim=-1).median() for i in (0, layer))
     reference = embedded if arch.position_embedding is not None else max(embedded, typical)
     row += marker * reference * direction / direction.norm() / row_scale
-    x = _captured_input(model, inputs[0], input_ids)
+    x = captured_input(model, inputs[0], input_ids)
     rest = x[:, 1:].flatten(0, 1)
     gap = x[:, 0].mean(0) - rest.mean(0)
     read = gap
@@ -269,12 +269,13 @@ def plant_massive_neuron(model: nn.Module, input_ids: torch.Tensor, *, layer: in
             proj.bias[neuron] = -40 * float(threshold)
     out = _neuron_weights(model.get_submodule(output), arch.conv1d, output=True)
     out[:, neuron] = 0
-    act = _captured_input(model, output, input_ids)[..., neuron]
+    act = captured_input(model, output, input_ids)[..., neuron]
     out[channel, neuron] = scale * typical / act[:, 0].mean()
     return Neuron(layer, neuron, float(act[:, 0].abs().mean()), float(act[:, 1:].abs().max()), float("nan"))
 
 
-def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> torch.Tensor:
+def captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """What the submodule at `path` receives (its first input, fp32) in `model`'s forward of `input_ids`."""
     seen = []
     hook = model.get_submodule(path).register_forward_pre_hook(lambda module, args: seen.append(args[0].float()))
     try:
@@ -282,7 +283,6 @@ def _captured_input(model: nn.Module, path: str, input_ids: torch.Tensor) -> tor
     finally:
         hook.remove()
     return seen[0]
-
 
 
 _CAPTURES = itertools.count()  # numbers each `Captured` its own attribute: two may hook one module
