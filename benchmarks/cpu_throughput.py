@@ -8,8 +8,10 @@ these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 `train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, fused AdamW (the baseline of
   every ratio unless `--baseline` or `--before`);
-- …, loop AdamW: torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
-- bf16: bf16 autocast over the fp32 weights and a bf16 teacher;
+- … (loop AdamW): torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
+- bf16: bf16 autocast over the fp32 weights and a bf16 teacher (attention in fp32 at short contexts,
+  `lnfree.removal.precision.attention_in_fp32`);
+- bf16 (bf16 attention): attention in bf16 at every context (`train.cpu_fp32_attention = false`);
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
 - … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too);
@@ -55,9 +57,10 @@ CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by 
 LOOP = {"train.fused_optimizer": False}
 VARIANTS = {
     "fp32": {**FP32, "train.freeze_embeddings": True},
-    "fp32, loop AdamW": {**FP32, **LOOP, "train.freeze_embeddings": True},
+    "fp32 (loop AdamW)": {**FP32, **LOOP, "train.freeze_embeddings": True},
     "bf16": {**BF16, "train.freeze_embeddings": True},
-    "bf16, loop AdamW": {**BF16, **LOOP, "train.freeze_embeddings": True},
+    "bf16 (loop AdamW)": {**BF16, **LOOP, "train.freeze_embeddings": True},
+    "bf16 (bf16 attention)": {**BF16, "train.freeze_embeddings": True, "train.cpu_fp32_attention": False},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
     "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
@@ -65,7 +68,8 @@ VARIANTS = {
     "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
 }
 #: With `--before DIR`: the same settings run by the lnfree checkout in DIR (its `src/`), which knows no
-#: `train.fused_optimizer` (its AdamW is the per-parameter loop) and computes CE and KL apart.
+#: `train.fused_optimizer` (its AdamW is the per-parameter loop) nor `train.cpu_fp32_attention`, and computes CE
+#: and KL apart.
 BEFORE = {"fp32 (lnfree before)": "fp32", "bf16 (lnfree before)": "bf16"}
 BASELINE = "fp32"
 
@@ -94,7 +98,8 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
     data = json.loads(config.model_dump_json())
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     if code is not None:
-        data["train"].pop("fused_optimizer")  # a setting the earlier code does not know
+        for setting in ("fused_optimizer", "cpu_fp32_attention"):  # settings the earlier code does not know
+            data["train"].pop(setting)
         env["PYTHONPATH"] = str(code / "src")
     path.write_text(json.dumps(data))
     subprocess.run([sys.executable, "-m", "lnfree", "remove", "--config", str(path), "--overwrite", "--no-control"],

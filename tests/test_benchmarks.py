@@ -77,3 +77,14 @@ def test_bridge_memory_reports_every_stage(tmp_path):
     peaks = [m["peak_gb"] for m in result["stages"].values()]
     assert peaks == sorted(peaks) and all(m["rss_gb"] > 0 for m in result["stages"].values())
     assert "| tiny |" in out.with_suffix(".txt").read_text()
+
+
+def test_cpu_attention_times_each_way_and_marks_the_shapes_lnfree_computes_in_fp32(tmp_path):
+    out = tmp_path / "attention"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"), "--contexts", "64,256",
+                    "--repeats", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["head_dim"], r["context"]) for r in rows] == [(h, c) for h in (64, 128, 256) for c in (64, 256)]
+    assert all(math.isfinite(ms) and ms > 0 for r in rows for ms in r["ms"].values())
+    assert [r["lnfree_fp32"] for r in rows] == [True, False, True, False, False, False]
+    assert "| flash bf16 |" in out.with_suffix(".txt").read_text()

@@ -60,3 +60,11 @@ def test_another_baseline_replaces_fp32(tmp_path):
     assert list(results["runs"]) == ["fp32 (embedding trained)", "bf16 (embedding trained)"]  # no plain fp32
     assert results["summary"]["fp32 (embedding trained)"]["cpu_ratio_per_round"] == [1.0]
     assert "CPU throughput / fp32 (embedding trained)" in (tmp_path / "cpu_throughput.txt").read_text()
+
+
+def test_every_variant_can_be_chosen_by_name(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from cpu_throughput import BEFORE, VARIANTS
+
+    # --variants splits on commas: a name holding one could never be chosen (nor could the default, all of them)
+    assert not [name for name in [*VARIANTS, *BEFORE] if "," in name]

@@ -14,7 +14,7 @@ from lnfree.removal import precision
 
 from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.removal.config import RunConfig, TrainConfig
+from lnfree.removal.config import RunConfig, TrainConfig, with_overrides
 from lnfree.removal.losses.distill import teacher_dtype
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.preparation import autocast_factory
@@ -130,3 +130,59 @@ def test_the_modern_presets_and_a_model_without_one_freeze_the_embedding_and_let
     assert generic.auto_cpu_bf16 and generic.freeze_embeddings
     tiny = base_config(None, None, None).train  # the bundled tiny model
     assert not tiny.auto_cpu_bf16 and not tiny.freeze_embeddings
+
+
+def test_attention_runs_in_fp32_under_a_cpus_bf16_autocast_only_at_short_contexts_and_small_heads():
+    assert precision.attention_in_fp32(CPU, "bf16", 64, 64)
+    assert precision.attention_in_fp32(CPU, "bf16", precision.FP32_ATTENTION_MAX_CONTEXT, 128)
+    assert not precision.attention_in_fp32(CPU, "bf16", precision.FP32_ATTENTION_MAX_CONTEXT + 1, 64)
+    assert not precision.attention_in_fp32(CPU, "bf16", 64, 256)  # Gemma 3: bf16's kernel is as fast
+    assert not precision.attention_in_fp32(CPU, "no", 64, 64)
+    assert not precision.attention_in_fp32(CUDA, "bf16", 64, 64)
+
+
+class AttentionCalls(TorchFunctionMode):
+    """Records the query's dtype and whether autocast was on at each scaled-dot-product attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set[tuple[torch.dtype, bool]] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.calls.add((args[0].dtype, torch.is_autocast_enabled("cpu")))
+        return func(*args, **(kwargs or {}))
+
+
+def test_fp32_attention_computes_attention_in_fp32_with_autocast_off_and_keeps_the_bf16_result():
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    reference = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    switched = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR).eval()
+    precision.use_fp32_attention(switched, None)
+    with torch.no_grad():
+        fp32 = reference(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with AttentionCalls() as plain:
+                bf16 = reference(ids).logits.float()
+            with AttentionCalls() as mixed:
+                out = switched(ids).logits.float()
+    assert plain.calls == {(torch.bfloat16, True)}
+    assert mixed.calls == {(torch.float32, False)}
+    # the rest of the model still runs in bf16: the logits differ from fp32's by bf16's rounding, as the plain
+    # bf16 model's do, and from the plain bf16 model's by no more than that
+    error = (bf16 - fp32).abs().max()
+    assert error > 0 and (out - fp32).abs().max() > 0
+    assert (out - bf16).abs().max() <= 2 * error
+    assert reference.config._attn_implementation == "sdpa"
+    assert precision.FP32_ATTENTION not in switched.config.to_json_string()  # exports name no custom kernel
+
+
+@pytest.mark.parametrize("limit, on", [(64, True), (32, True), (64, False)])
+def test_a_cpu_bf16_run_uses_fp32_attention_at_short_contexts_only_and_unless_told_not_to(run_config, monkeypatch,
+                                                                                           limit, on):
+    from lnfree.removal.train import run
+
+    monkeypatch.setattr(precision, "FP32_ATTENTION_MAX_CONTEXT", limit)  # the tiny model's contexts are 64 tokens
+    config = run_config(mixed_precision="bf16", distill_alpha=0.5, max_steps=2, save_every=0, cpu_fp32_attention=on)
+    result = run(with_overrides(config, {"removal.mode": "vanilla"}), progress=False)
+    assert result.model.config._attn_implementation == (precision.FP32_ATTENTION if on and limit >= 64 else "sdpa")

@@ -145,6 +145,10 @@ class TrainConfig(_Strict):
         "(avx512_bf16 or AMX, lnfree.removal.precision) too: on in the modern models' presets and for a model "
         "without a preset; off in the tiny and GPT-2 presets, whose runs then compute alike on CPUs with and without it"
     )
+    cpu_fp32_attention: bool = Field(
+        True, description="under a CPU's bf16 autocast, attention in fp32 at short contexts and head sizes, where "
+        "PyTorch's bf16 kernel is the slower one (lnfree.removal.precision.attention_in_fp32)"
+    )
     gradient_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile every block (one graph per state of its norms)")
     steady_allocator: bool = Field(

@@ -1,7 +1,7 @@
 """The model and optimiser a run trains: the fixed-scale norms installed (a removal run), dropout,
 activation checkpointing and compiled blocks (`prepare_model`, `compile_blocks`), the distillation
-teacher, the mixed-precision autocast (`autocast_factory`), a frozen token embedding
-(`freeze_token_embedding`) and AdamW (`make_optimizer`).
+teacher, the mixed-precision autocast (`autocast_factory`) and its attention (`choose_attention`), a frozen
+token embedding (`freeze_token_embedding`) and AdamW (`make_optimizer`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.removal.config import RunConfig
 from lnfree.removal.losses.distill import load_teacher
-from lnfree.removal.precision import auto_bf16, cpu_has_native_bf16
+from lnfree.removal.precision import attention_in_fp32, auto_bf16, cpu_has_native_bf16, use_fp32_attention
 
 logger = logging.getLogger("lnfree")
 
 
-def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device) -> nn.Module | None:
-    """Install the fixed-scale norms (a removal run), set dropout, checkpointing and compilation, and
-    move `model` to `device`; return the distillation teacher (None without distillation)."""
+def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device, precision: str,
+                  context: int) -> nn.Module | None:
+    """Install the fixed-scale norms (a removal run), set dropout, checkpointing and compilation, choose the
+    attention for the run's autocast `precision` at `context` tokens (`choose_attention`), and move `model` to
+    `device`; return the distillation teacher (None without distillation)."""
     removal, train = config.removal, config.train
     if removal.mode == "remove":
         surgery.install(model, special_pos0=removal.special_pos0, per_head_pos0=removal.special_pos0_per_head,
@@ -34,6 +36,7 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
                 module.p = train.dropout
     teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16) if train.distill_alpha > 0
                else None)
+    choose_attention(config, device, precision, context, architecture(model).head_dim, model, teacher)
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
@@ -69,6 +72,16 @@ def autocast_factory(config: RunConfig, device: torch.device):
         return contextlib.nullcontext, "no"
     dtype = torch.bfloat16 if choice == "bf16" else torch.float16
     return (lambda: torch.autocast(device.type, dtype=dtype)), choice
+
+
+def choose_attention(config: RunConfig, device: torch.device, precision: str, context: int, head_dim: int,
+                     *models: nn.Module | None) -> None:
+    """`train.cpu_fp32_attention`: switch `models` (the student, the teacher or None) to fp32 attention where
+    `lnfree.removal.precision.attention_in_fp32` says it is the faster under the run's autocast."""
+    if config.train.cpu_fp32_attention and attention_in_fp32(device, precision, context, head_dim):
+        use_fp32_attention(*models)
+        logger.info("attention in fp32 under the CPU's bf16 autocast at %d-token contexts (train.cpu_fp32_attention)",
+                    context)
 
 
 def freeze_token_embedding(model: nn.Module) -> None:

@@ -219,8 +219,8 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
     accelerator.wait_for_everyone()
     out = Path(config.output_dir)
 
-    teacher = prepare_model(model, config, data.eot_token_id, accelerator.device)
     autocast, precision = autocast_factory(config, accelerator.device)
+    teacher = prepare_model(model, config, data.eot_token_id, accelerator.device, precision, context)
     if accelerator.is_main_process:
         logger.info(describe_run(config, model.config, context, micro_batch, world, accelerator.device, precision != "no"))
     batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
