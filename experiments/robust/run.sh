@@ -12,7 +12,8 @@
 # 5. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
 # experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
-# stress step keeps each model's record in stress/parts/ and measures only the models left).
+# stress step keeps each model's record in stress/parts/ and measures only the models left, or whose weights
+# changed); a measurement older than the runs is made again.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
@@ -39,7 +40,15 @@ removal_run() {  # removal_run DIR EXTRA_ARGS...: start, resume, or leave a fini
   run "$dir" lnfree remove --config "$config" -o "$dir" "$@" "${resume[@]}" || [[ -f $REPO_ROOT/$dir/summary.json ]]
 }
 
-step_done() { [[ $DRY_RUN == 0 && -f $REPO_ROOT/$1 ]]; }
+# a measurement is done when its file is newer than both runs' summaries: results of an earlier run of the
+# removal (committed ones too) are measured again, never mixed with a new run's folders
+step_done() {
+  [[ $DRY_RUN == 0 && -f $REPO_ROOT/$1 ]] || return 1
+  local run
+  for run in ln_free vanilla; do
+    [[ $REPO_ROOT/$1 -nt $REPO_ROOT/$runs/$run/summary.json ]] || return 1
+  done
+}
 
 removal_run "$runs/ln_free"
 removal_run "$runs/vanilla" --mode vanilla
