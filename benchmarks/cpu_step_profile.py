@@ -105,13 +105,15 @@ def main() -> None:
     import torch
     from transformers import AutoConfig
 
+    from lnfree.arch import architecture
     from lnfree.models.base import resolve_model_source
 
     torch.set_num_threads(args.threads)
     model = profiles["fp32"]["model"]
     hf = AutoConfig.from_pretrained(resolve_model_source(model))
     batch, context = profiles["fp32"]["shape"]
-    kernels = attention_kernels(batch, hf.num_attention_heads, context, hf.hidden_size // hf.num_attention_heads)
+    head_dim = architecture(hf).head_dim  # Gemma 3's heads are not hidden / heads wide
+    kernels = attention_kernels(batch, hf.num_attention_heads, context, head_dim)
     lines = [f"# {model}: one step's forward + backward ({batch} × {context} tokens), self CPU seconds by kind of "
              f"operator, OMP_NUM_THREADS={args.threads}", "", "| operators | fp32 s | bf16 s | fp32 / bf16 |", "|---|---|---|---|"]
     for key in [*GROUPS, "rest"]:
@@ -120,7 +122,7 @@ def main() -> None:
     total = [sum(profiles[p]["seconds"].values()) for p in PRECISIONS]
     lines += [f"| **total** | {total[0]:.2f} | {total[1]:.2f} | {total[0] / total[1]:.2f} |", "",
               f"Causal attention forward + backward alone, {batch} × {hf.num_attention_heads} heads × {context} × "
-              f"{hf.hidden_size // hf.num_attention_heads}, CPU seconds (best of 3):", "",
+              f"{head_dim}, CPU seconds (best of 3):", "",
               "| kernel | seconds |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in kernels.items()]
     out = args.out or ROOT / "benchmarks/results" / f"cpu_step_profile_{model.replace('/', '_')}"
     (out.parent / f"{out.name}.json").write_text(json.dumps({"profiles": profiles, "attention_kernels": kernels,
