@@ -176,6 +176,19 @@ def test_a_family_that_needs_bos_gets_it_first_in_every_sequence_of_training_and
     assert np.array_equal(ids[:, 1:], unprefixed)
 
 
+def test_data_bos_always_starts_every_sequence_with_the_tokenizers_bos_for_a_family_that_reads_none(tokenizer,
+                                                                                                   tmp_path):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    family = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))  # none for GPT-2
+    always = prepare_data(config(tmp_path / "docs.jsonl", tmp_path, bos="always"), tokenizer, 8, len(tokenizer))
+    bos = tokenizer.bos_token_id
+    assert not (family.train[:, 0] == bos).all()
+    assert always.train.shape[1] == 8 and (always.train[:, 0] == bos).all() and (always.held_out[:, 0] == bos).all()
+    # the same as the BOS a family that reads one gets
+    given = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer), bos)
+    assert np.array_equal(always.train, given.train) and np.array_equal(always.held_out, given.held_out)
+
+
 def test_a_bos_token_that_documents_carry_is_only_ever_at_position_0(tokenizer, tmp_path):
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
     plain = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))

