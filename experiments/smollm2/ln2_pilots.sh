@@ -29,7 +29,8 @@
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] stress      the control and the preview arm again with a
 #       checkpoint every 25 steps (runs/smollm2-135m-pilots/ckpt_ARM; the same training), then `lnfree stress` of
 #       their steps 100 and 125 on the whole validation half (ln2_pilots/stress/)
-#   experiments/smollm2/ln2_pilots.sh [--dry-run] origin      the control, damp_writers and early_last arms with a
+#   experiments/smollm2/ln2_pilots.sh [--dry-run] origin [ARM:STEP,STEP ...]      the control, damp_writers and
+#       early_last arms (or the arms and steps given, results in runaway_origin/ARM+ARM) with a
 #       checkpoint every 25 steps (as for stress; each may be stopped once its last step below is written), then
 #       experiments/smollm2/runaway_origin.py on their last finite and first non-finite evaluation's steps
 #       (100 and 125; early_last: 125 and 150) (runaway_origin/): where the runaway starts
@@ -95,19 +96,27 @@ checkpointed() {  # checkpointed ARM RECORD_DIR: the arm again with a checkpoint
 }
 
 if [[ ${1:-} == origin ]]; then
+  shift
+  specs=("$@")
+  origin_out=$RESULTS/smollm2-135m/runaway_origin
+  if [[ ${#specs[@]} -eq 0 ]]; then
+    specs=(control:100,125 damp_writers:100,125 early_last:125,150)
+  else
+    origin_out=$origin_out/$(printf '%s+' "${specs[@]%%:*}" | sed 's/+$//')
+  fi
   checkpoints=()
   labels=()
-  for arm_steps in control:100,125 damp_writers:100,125 early_last:125,150; do
+  for arm_steps in "${specs[@]}"; do
     arm=${arm_steps%%:*}
     steps=${arm_steps#*:}
-    dir=$(checkpointed "$arm" "$RESULTS/smollm2-135m/runaway_origin")
+    dir=$(checkpointed "$arm" "$origin_out")
     for step in ${steps//,/ }; do
       checkpoints+=("$dir/step_000$step")
       labels+=("${arm}_$step")
     done
   done
-  run "$RESULTS/smollm2-135m/runaway_origin" "$(python_bin)" experiments/smollm2/runaway_origin.py "${checkpoints[@]}" \
-    --labels "${labels[@]}"
+  run "$origin_out" "$(python_bin)" experiments/smollm2/runaway_origin.py "${checkpoints[@]}" \
+    --labels "${labels[@]}" --out "$origin_out"
   exit 0
 fi
 

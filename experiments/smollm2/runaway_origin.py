@@ -4,7 +4,8 @@
         [--out experiments/results/smollm2-135m/runaway_origin]
 
 For each training checkpoint (`runs/.../checkpoints/step_N`, lnfree's exact form of the run with its fixed
-norms and blends), with the scale ceiling off: the first N held-out validation sequences of 64 tokens; for
+norms and blends), with the scale ceiling off: the first N held-out validation sequences of 64 tokens (BOS-led
+where the run's were, `data.bos`); for
 each sequence with a non-finite residual, the earliest layer at which a token at a position ≥ 1 exceeds
 `--ratio`× the median token's residual RMS there (median over the finite sequences; position 0 has its own
 σ in these runs), which tokens, their ratio layer by layer, and the MLP neurons of the block that made
@@ -27,6 +28,12 @@ from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.forms.export import load_checkpoint
 from lnfree.removal.config import DataConfig
 from lnfree.removal.losses.massive import captured_input
+
+
+def run_bos(checkpoint: Path) -> str:
+    """The run's `data.bos` (its run folder's run_config.json; "family" where there is none): its windows."""
+    run_config = checkpoint.parent.parent / "run_config.json"
+    return json.loads(run_config.read_text())["data"].get("bos", "family") if run_config.is_file() else "family"
 
 
 @torch.no_grad()
@@ -105,8 +112,8 @@ def main() -> None:
     for label, checkpoint in zip(labels, args.checkpoints):
         model, tokenizer, _ = load_checkpoint(checkpoint)
         set_ceiling(model, math.inf)
-        data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences),
-                            tokenizer, 64, model.config.vocab_size)
+        data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences,
+                                       bos=run_bos(checkpoint)), tokenizer, 64, model.config.vocab_size)
         results[label] = {"checkpoint": str(checkpoint),
                           **origins(model, tokenizer, data.eval_batch(args.n_sequences), args.ratio, args.shown)}
         lines += table(label, results[label])
