@@ -15,6 +15,7 @@ from lnfree.fixedscale.ceiling import ScaleCeiling
 from lnfree.removal.losses.coverage import Coverage
 from lnfree.removal.losses.margin import StabilityMargin
 from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
+from lnfree.removal.losses.neuron_gain import NeuronGain
 from lnfree.removal.losses.neuron_range import NeuronRange
 from lnfree.removal.losses.position0_mlp import Position0Mlp
 from lnfree.removal.schedule import Adaptive, Schedule
@@ -31,7 +32,8 @@ class _Strict(BaseModel):
 
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
-STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "stability_margin", "coverage")
+STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "neuron_gain", "stability_margin",
+               "coverage")
 
 
 class LearningRateRestart(_Strict):
@@ -108,6 +110,11 @@ class TrainConfig(_Strict):
     neuron_range: NeuronRange | list[NeuronRange] | None = Field(
         None, description="a hinge on every MLP neuron's activation above ratio × its largest in the original "
         "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.removal.losses.neuron_range)"
+    )
+    neuron_gain: NeuronGain | list[NeuronGain] | None = Field(
+        None, description="a bound, in weight space, on every MLP neuron's gain (|gate|·|up|·(1 + cos)/2·|down|, the "
+        "input norm's weight folded in) above ratio × its block's median: bounds what a neuron can write for an "
+        "input of any size, on every token (lnfree.removal.losses.neuron_gain)"
     )
     stability_margin: StabilityMargin | list[StabilityMargin] | None = Field(
         None, description="in a forward of its own over a few of each micro-batch's sequences, one token's residual "
