@@ -135,3 +135,19 @@ def test_a_share_of_the_rows_may_start_without_bos():
     assert torch.equal(mixed[:, 1:], plain[:, 1:])  # the same rows otherwise
     repeated = (mixed[:, 1:] == mixed[:, 1:2]).all(dim=1) & without
     assert (mixed[repeated, 0] == mixed[repeated, 1]).all()  # a repeated row without BOS repeats from position 0
+
+
+def test_generated_rows_start_with_bos_under_data_bos_always_as_the_text_does(run_config):
+    from transformers import AutoTokenizer
+
+    from lnfree.models.base import load_base
+    from lnfree.removal.generated import coverage_rows
+
+    settings = {"train.coverage": {"rows": 3, "repeated_share": 0.5}}
+    model, _ = load_base(run_config().model)
+    tokenizer = AutoTokenizer.from_pretrained(run_config().model)
+    for rule, starts_with_bos in (("family", False), ("always", True)):  # GPT-2's family reads no BOS
+        config = with_overrides(run_config(max_steps=4), {**settings, "data.bos": rule})
+        rows, _ = coverage_rows(config, 0, 16, model, tokenizer)
+        ids = torch.cat([rows(step, 0, config.train.coverage) for step in range(8)])
+        assert bool((ids[:, 0] == tokenizer.bos_token_id).all()) == starts_with_bos

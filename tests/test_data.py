@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lnfree.removal.config import DataConfig
-from lnfree.data.documents import DataError, DeviceBatches, StepBatches, prepare_data
+from lnfree.data.documents import DataError, DeviceBatches, StepBatches, bos_token, prepare_data
 
 
 @pytest.fixture
@@ -180,8 +180,12 @@ def test_data_bos_always_starts_every_sequence_with_the_tokenizers_bos_for_a_fam
                                                                                                    tmp_path):
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
     family = prepare_data(config(tmp_path / "docs.jsonl", tmp_path), tokenizer, 8, len(tokenizer))  # none for GPT-2
-    always = prepare_data(config(tmp_path / "docs.jsonl", tmp_path, bos="always"), tokenizer, 8, len(tokenizer))
-    bos = tokenizer.bos_token_id
+    rule = config(tmp_path / "docs.jsonl", tmp_path, bos="always")
+    with pytest.raises(DataError, match="bos_token"):  # the rule is resolved by bos_token, once for every caller
+        prepare_data(rule, tokenizer, 8, len(tokenizer))
+    bos = bos_token(None, tokenizer, rule.bos)
+    always = prepare_data(rule, tokenizer, 8, len(tokenizer), bos)
+    assert bos == tokenizer.bos_token_id
     assert not (family.train[:, 0] == bos).all()
     assert always.train.shape[1] == 8 and (always.train[:, 0] == bos).all() and (always.held_out[:, 0] == bos).all()
     # the same as the BOS a family that reads one gets

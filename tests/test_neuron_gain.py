@@ -13,6 +13,7 @@ from transformers import GPT2LMHeadModel
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, neuron_gains
 from lnfree.removal.train import run
+from families import FAMILIES, tiny_family
 
 
 def test_the_gain_is_what_a_gated_neuron_writes_for_a_large_input_of_unit_direction_at_its_worst():
@@ -22,12 +23,14 @@ def test_the_gain_is_what_a_gated_neuron_writes_for_a_large_input_of_unit_direct
     scale = 1e3
     for i in range(3):
         g, u = gate[i] * norm, up[i] * norm
-        worst = g / g.norm() + u / u.norm()  # the unit input that maximises (g·v)(u·v) bisects g and u
+        sign = torch.sign(g @ u)  # the unit input that maximises |(g·v)(u·v)| bisects g and ±u, with g·v > 0
+        worst = g / g.norm() + sign * u / u.norm()
         v = worst / worst.norm()
         written = F.silu(scale * g @ v) * (scale * u @ v) * down[i]
         assert float(written.norm() / scale**2) == pytest.approx(float(gains[i]), rel=1e-3)
-        others = F.normalize(torch.randn(200, 16), dim=1)  # no other direction writes more
-        assert float(((others @ g) * (others @ u) * down[i].norm()).max()) <= float(gains[i]) * (1 + 1e-5)
+        others = F.normalize(torch.randn(2000, 16), dim=1)  # no other direction writes more
+        assert float(((others @ g) * (others @ u)).abs().max() * down[i].norm()) <= float(gains[i]) * (1 + 1e-5)
+    assert (torch.sign((gate * norm * up * norm).sum(1)) < 0).any()  # an anti-aligned pair is among them
 
 
 def test_a_plain_mlps_gain_is_its_input_row_norm_times_its_output_row_norm():
@@ -59,3 +62,15 @@ def test_a_run_pulls_its_largest_gains_towards_the_median_and_logs_the_term(run_
     original = GPT2LMHeadModel.from_pretrained(base.model)
     assert len(GainWeights(original).gains()) == original.config.n_layer
     assert excess(bound.model) < 0.5 * excess(free.model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gains_are_the_same_on_the_plain_model_and_once_its_norms_are_installed(family):
+    from lnfree.fixedscale import surgery
+
+    model = tiny_family(family)
+    plain = [g.detach().clone() for g in GainWeights(model).gains()]  # Gemma's plain norms store weight − 1
+    installed = GainWeights(surgery.install(model)).gains()
+    assert len(plain) == 2 and all(bool((g > 0).all()) for g in plain)
+    for a, b in zip(plain, installed):
+        torch.testing.assert_close(a, b.detach())

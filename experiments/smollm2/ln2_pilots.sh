@@ -23,7 +23,7 @@
 #                 a second sink in ~5 % of sequences) while every norm is real (the run and its ends shifted by 150)
 #   bos           every training and validation window starts with the tokenizer's BOS (data.bos = "always";
 #                 63 text tokens after it): the sink gets a token of its own, so position 1 is never a second sink
-#   gain          every MLP neuron's gain (|gate|·|up|·(1 + cos)/2·|down|) held within 4× its block's median in
+#   gain          every MLP neuron's gain (|gate|·|up|·(1 + |cos|)/2·|down|) held within 4× its block's median in
 #                 weight space (train.neuron_gain): block 2's 90 and 430, the writers of the runaway tokens, are
 #                 the two largest of blocks 0-10 (15.7× and 9.3×); bounds them on every token, seen or not
 #   gain_preshrink  the preshrink arm with the gain bound (one difference from preshrink): 150 steps to pull the

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lnfree.arch import architecture
-from lnfree.data.documents import prepare_data
+from lnfree.data.documents import bos_token, prepare_data
 from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.forms.export import load_checkpoint
 from lnfree.removal.config import DataConfig
@@ -112,8 +112,9 @@ def main() -> None:
     for label, checkpoint in zip(labels, args.checkpoints):
         model, tokenizer, _ = load_checkpoint(checkpoint)
         set_ceiling(model, math.inf)
-        data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences,
-                                       bos=run_bos(checkpoint)), tokenizer, 64, model.config.vocab_size)
+        rule = run_bos(checkpoint)
+        data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=args.n_sequences, bos=rule),
+                            tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer, rule))
         results[label] = {"checkpoint": str(checkpoint),
                           **origins(model, tokenizer, data.eval_batch(args.n_sequences), args.ratio, args.shown)}
         lines += table(label, results[label])

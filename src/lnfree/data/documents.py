@@ -220,12 +220,14 @@ class TokenData:
         return torch.from_numpy(self.held_out[:n_sequences].astype(np.int64))
 
 
-def bos_token(model_or_config, tokenizer) -> int | None:
-    """The token every sequence must start with for this model (its family's rule), else None."""
-    if not architecture(model_or_config).prepends_bos:
+def bos_token(model_or_config, tokenizer, rule: str = "family") -> int | None:
+    """The token every sequence must start with, else None: by `rule` (`data.bos`), the tokenizer's BOS where
+    the model's family reads one ("family"), or for every model ("always")."""
+    if rule == "family" and not architecture(model_or_config).prepends_bos:
         return None
     if tokenizer.bos_token_id is None:
-        raise DataError("this model's sequences must start with a BOS token, but its tokenizer has none")
+        why = "data.bos = 'always'" if rule == "always" else "this model's family reads one"
+        raise DataError(f"sequences must start with a BOS token ({why}), but the tokenizer has none")
     return int(tokenizer.bos_token_id)
 
 
@@ -253,7 +255,7 @@ def _as_sequences(stream: np.ndarray, context: int, what: str, bos_token_id: int
 def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size: int,
                  bos_token_id: int | None = None, part: str = "validation") -> TokenData:
     """Load (from cache when possible) the train and held-out sequences for `config` (each starting with
-    `bos_token_id` when given, see `bos_token`, or with the tokenizer's BOS under `data.bos = "always"`).
+    `bos_token_id` when given: `bos_token(model, tokenizer, config.bos)`).
     The held-out sequences are the validation split unless `part` is "test" (realtext only: the split a
     final evaluation reads, never a run)."""
     if part != "validation" and config.source != "realtext":
@@ -261,10 +263,8 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
     eot = tokenizer.eos_token_id
     if eot is None:
         raise DataError("the tokenizer has no eos (EOT) token to separate documents")
-    if config.bos == "always":
-        if tokenizer.bos_token_id is None:
-            raise DataError("data.bos = 'always', but the tokenizer has no BOS token")
-        bos_token_id = int(tokenizer.bos_token_id)
+    if config.bos == "always" and bos_token_id is None:
+        raise DataError("data.bos = 'always': pass its BOS token, bos_token(model, tokenizer, config.bos)")
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     if config.source.endswith(".npy"):
         path = Path(config.source).expanduser()

@@ -112,7 +112,7 @@ class TrainConfig(_Strict):
         "(measured on the distillation teacher: needs distill_alpha > 0; lnfree.removal.losses.neuron_range)"
     )
     neuron_gain: NeuronGain | list[NeuronGain] | None = Field(
-        None, description="a bound, in weight space, on every MLP neuron's gain (|gate|·|up|·(1 + cos)/2·|down|, the "
+        None, description="a bound, in weight space, on every MLP neuron's gain (|gate|·|up|·(1 + |cos|)/2·|down|, the "
         "input norm's weight folded in) above ratio × its block's median: bounds what a neuron can write for an "
         "input of any size, on every token (lnfree.removal.losses.neuron_gain)"
     )

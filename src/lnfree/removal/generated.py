@@ -31,7 +31,7 @@ def coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, 
     coverage, mined = config.train.coverage, MinedIds(Path(config.output_dir) / MINED)
     if coverage is None:
         return None, mined
-    bos, vocab = bos_token(model, tokenizer), model.config.vocab_size
+    bos, vocab = bos_token(model, tokenizer, config.data.bos), model.config.vocab_size
     outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
     if outside:
         raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")

@@ -242,7 +242,8 @@ def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn
     """The run's tokenised data (prepared by the main process first) and the tokens behind a held-out CE,
     with a warning when they are too few."""
     with accelerator.main_process_first():
-        data = prepare_data(config.data, tokenizer, context, model.config.vocab_size, bos_token(model, tokenizer))
+        data = prepare_data(config.data, tokenizer, context, model.config.vocab_size,
+                            bos_token(model, tokenizer, config.data.bos))
     scored = data.scored_tokens(config.data.eval_sequences)
     if scored < config.data.min_held_out_tokens and accelerator.is_main_process:
         logger.warning(

@@ -2,12 +2,12 @@
 
 Once its input norm is fixed, a gated MLP neuron's output grows with the square of its input's scale:
 for a large input s·v (v of unit norm), silu or gelu of the gate is about linear, and the neuron writes
-s² (g·v)(u·v) d, whose largest value over v is s² |g| |u| (1 + cos(g, u)) / 2 |d|, with g and u the gate and
-up rows (the input norm's weight folded in) and d the output column. That product is the neuron's *gain*
+s² (g·v)(u·v) d, whose largest size over v is s² |g| |u| (1 + |cos(g, u)|) / 2 |d| (v bisecting g and ±u), with
+g and u the gate and up rows (the input norm's weight folded in) and d the output column: the neuron's *gain*
 (a non-gated MLP's: |w| |d|, linear in s). In SmolLM2-135M the neurons of largest gain are exactly those that
 write and erase its massive activations: block 2's 90 and 430 (15.7× and 9.3× the block's median gain;
 no other neuron of blocks 0–10 is above 6.5×), block 11's 1229 and 1487 (28×, 16×), block 27's 903 and
-block 28's 678 (86×, 120×) (`experiments/smollm2/neuron_gain.py`). The first two also write the tokens that
+block 28's 678 (86×, 120×; `experiments/results/smollm2-135m/neuron_gain/`) (`experiments/smollm2/neuron_gain.py`). The first two also write the tokens that
 run away when ln_2 are fixed (`experiments/results/smollm2-135m/`). A loss on activations sees such a token
 only when the text holds one; this one acts on the weights, so it bounds every token, seen or not.
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
+from lnfree.fixedscale.norms import FixedScaleNorm
 
 
 class NeuronGain(BaseModel):
@@ -41,12 +42,12 @@ class NeuronGain(BaseModel):
 
 class GainWeights:
     """Per block, the weights that set its MLP neurons' gains: the input projections, the output projection
-    and the MLP-input norm (None in a family without one)."""
+    and the MLP-input norm (None in a family without one), of an installed model or a plain one."""
 
     def __init__(self, model: nn.Module):
         arch = architecture(model)
         norms = {site.layer: site.module for site in arch.sites() if site.stage == "ln_2"}
-        self.conv1d = arch.conv1d
+        self.conv1d, self.offset = arch.conv1d, arch.norm_weight_offset
         self.blocks = []
         for layer in range(arch.n_layers):
             inputs, output = arch.neurons(layer)
@@ -56,8 +57,15 @@ class GainWeights:
     def gains(self) -> list[torch.Tensor]:
         """Per block, each neuron's gain (fp32, differentiable in the weights)."""
         return [neuron_gains([in_out(p.weight, self.conv1d).t() for p in inputs], in_out(output.weight, self.conv1d),
-                             None if norm is None else norm.weight)
+                             self.norm_weight(norm))
                 for inputs, output, norm in self.blocks]
+
+    def norm_weight(self, norm: nn.Module | None) -> torch.Tensor | None:
+        """What the norm multiplies by: an installed norm holds it, a plain one may store it less an offset
+        (Gemma's weight − 1)."""
+        if norm is None or isinstance(norm, FixedScaleNorm):
+            return None if norm is None else norm.weight
+        return norm.weight + self.offset
 
 
 def neuron_gains(rows: list[torch.Tensor], out: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +79,7 @@ def neuron_gains(rows: list[torch.Tensor], out: torch.Tensor, norm_weight: torch
     gate, up = rows
     gate_norm, up_norm = gate.norm(dim=1), up.norm(dim=1)
     cos = (gate * up).sum(1) / (gate_norm * up_norm).clamp_min(1e-30)
-    return gate_norm * up_norm * (1 + cos) / 2 * out_norm
+    return gate_norm * up_norm * (1 + cos.abs()) / 2 * out_norm
 
 
 def neuron_gain_loss(gains: list[torch.Tensor], ratio: float) -> torch.Tensor:
