@@ -101,10 +101,14 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
     shutil.rmtree(out, ignore_errors=True)  # an earlier checkout cannot read a later one's run folder
     config = with_overrides(config, {**overrides, "output_dir": str(out)})
     path = workdir / "config.json"
-    data = json.loads(config.model_dump_json())
+    # the earlier code knows neither the settings added since nor those of them left at their defaults
+    data = json.loads(config.model_dump_json(exclude_defaults=code is not None))
+    for key, value in overrides.items() if code is not None else ():
+        section, field = key.split(".")
+        data.setdefault(section, {})[field] = value
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     if code is not None:
-        for setting in ("fused_optimizer", "cpu_fp32_attention", "flush_denormals"):  # the earlier code knows none
+        for setting in ("fused_optimizer", "cpu_fp32_attention", "flush_denormals"):
             data["train"].pop(setting, None)
         env["PYTHONPATH"] = str(code / "src")
     path.write_text(json.dumps(data))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 from lnfree.removal.config import with_overrides
-from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, neuron_gains
+from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, neuron_gains, project_gains
 from lnfree.removal.train import run
 from families import FAMILIES, tiny_family
 
@@ -74,3 +74,24 @@ def test_gains_are_the_same_on_the_plain_model_and_once_its_norms_are_installed(
     assert len(plain) == 2 and all(bool((g > 0).all()) for g in plain)
     for a, b in zip(plain, installed):
         torch.testing.assert_close(a, b.detach())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3"])
+def test_projection_brings_every_gain_to_the_bound_by_scaling_what_the_neuron_writes(family):
+    model = tiny_family(family)
+    weights = GainWeights(model)
+    before = [g.detach().clone() for g in weights.gains()]
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    project_gains(weights, ratio=1.2)
+    for old, new in zip(before, weights.gains()):
+        bound = 1.2 * old.median()
+        assert bool((old > bound).any())
+        torch.testing.assert_close(new, torch.minimum(old, bound))  # the others untouched
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_a_run_that_projects_ends_with_every_gain_within_the_bound(run_config):
+    config = with_overrides(run_config(max_steps=12, eval_every=0),
+                            {"train.neuron_gain": {"ratio": 2.0, "weight": 1.0, "start": 0, "project": True}})
+    gains = GainWeights(run(config, progress=False).model).gains()
+    assert all(bool((g <= 2.0 * g.median() * (1 + 1e-3)).all()) for g in gains)

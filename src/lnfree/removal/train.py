@@ -144,6 +144,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool, fl
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
             optimizer.step()
+            objective.after_step(step)
         optimizer.zero_grad(set_to_none=True)
         removal.after_step(bare, totals, accelerator)
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))

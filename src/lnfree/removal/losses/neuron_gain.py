@@ -15,6 +15,11 @@ The loss is Σ over blocks and neurons of max(0, log gain − log(ratio × the b
 median taken from the current weights and detached (no reference to keep: the same on every resume), so
 it pulls the outliers towards the block's typical neuron and leaves the rest alone. Alignment of gate and
 up (Smooth-SwiGLU, arXiv 2409.12517, traces SwiGLU outliers to it) is part of the gain.
+
+A loss moves the weights about one learning rate a step (Adam): on SmolLM2-135M, 200 steps of this loss
+alone at a fine-tuning rate of 1e-4 take the summed excess from 30.6 to 28.9 (block 2's from 2.58 to 2.26).
+`project` bounds the gains at once instead: after every optimiser step each neuron above the bound has its
+output row scaled down to it, which scales what the neuron writes, for every input, by the same factor.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class NeuronGain(BaseModel):
                          "back")
     weight: float = Field(1.0, ge=0, description="its weight in the loss")
     start: int = Field(0, ge=0, description="the first step it is on")
+    project: bool = Field(False, description="also scale, after every optimiser step, each neuron's output row "
+                          "down to the bound (its weight must still be > 0 for the setting to be on)")
 
 
 class GainWeights:
@@ -90,3 +97,13 @@ def neuron_gain_loss(gains: list[torch.Tensor], ratio: float) -> torch.Tensor:
         excess = log_gain - (log_gain.detach().median() + math.log(ratio))
         total = total + excess.clamp_min(0).pow(2).sum()
     return total
+
+
+@torch.no_grad()
+def project_gains(weights: GainWeights, ratio: float) -> None:
+    """Scale the output row of every neuron whose gain exceeds `ratio` × its block's median gain so that its
+    gain is that bound (what it writes scales by the same factor for every input), in place."""
+    for gain, (_, output, _) in zip(weights.gains(), weights.blocks, strict=True):
+        factor = ((ratio * gain.median()) / gain).clamp(max=1.0)
+        rows = in_out(output.weight, weights.conv1d)  # (neurons, hidden), a view of the weight
+        rows.mul_(factor.to(rows.dtype)[:, None])

@@ -48,7 +48,7 @@ from lnfree.removal.losses.massive import (
     typical_scale,
     weighted_inputs,
 )
-from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss
+from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, project_gains
 from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
@@ -168,6 +168,12 @@ class Objective:
         zero = torch.zeros_like(ce)
         terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, gain, zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
+
+    def after_step(self, step: int) -> None:
+        """After `step`'s optimiser step: the gains bounded in place where `train.neuron_gain` projects."""
+        bound = tail_at(self.train.neuron_gain, step)
+        if bound is not None and bound.project:
+            project_gains(self.gain_weights, bound.ratio)
 
     def coverage(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, the `TERMS`) of the generated rows `input_ids` (`lnfree.removal.losses.coverage`, settings
