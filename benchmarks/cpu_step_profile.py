@@ -5,12 +5,14 @@ Runs a run config (default: `benchmarks/configs/smollm2-135m_vanilla_realtext.to
 backward of the third step with torch.profiler (self CPU time per operator; the optimiser step is
 outside it). Operators are grouped: matrix products (mm, addmm, bmm), attention (PyTorch's
 scaled-dot-product kernels), the vocabulary log-softmax and its backward, dtype casts (copy_, _to_copy)
-and the rest. Then a kernel check: causal scaled-dot-product attention forward + backward at the
+and the rest; and the ten operators of largest self CPU time with their input shapes (how the subnormal
+floats of a large vocabulary's distillation gradient were found, `lnfree.removal.runtime`). `--set KEY=VALUE`
+changes a setting of the config in both precisions (`--set train.flush_denormals=false`). Then a kernel check: causal scaled-dot-product attention forward + backward at the
 config's shape (batch × heads × context × head size) with PyTorch's flash and math backends, in fp32
 and bf16. Prints each group's seconds per precision and the fp32 / bf16 ratio, and writes
 `benchmarks/results/cpu_step_profile_<model>.json` / `.txt`.
 
-    python benchmarks/cpu_step_profile.py [--config FILE] [--threads 1]
+    python benchmarks/cpu_step_profile.py [--config FILE] [--threads 1] [--set KEY=VALUE ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ def group(name: str) -> str:
     return next((g for g, keys in GROUPS.items() if any(k in name for k in keys)), "rest")
 
 
-def child(config_path: Path, precision: str, out: Path) -> None:
+TOP = 10
+
+
+def child(config_path: Path, precision: str, out: Path, overrides: dict) -> None:
     """Profile the third step's forward and backward of the config in `precision`; write seconds per group."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -46,8 +51,9 @@ def child(config_path: Path, precision: str, out: Path) -> None:
 
     # cut to 3 steps as the throughput benchmarks cut a run (a removal at step 1, no ceiling or special σ)
     config = with_overrides(load_config(config_path), {**bench_overrides(3, out.parent / f"run_{precision}"),
-                                                       "train.mixed_precision": precision})
-    profiler, calls, step = profile(activities=[ProfilerActivity.CPU]), [0], train._forward_backward
+                                                       **overrides, "train.mixed_precision": precision})
+    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    calls, step = [0], train._forward_backward
 
     def profiled_step(*args, **kwargs):  # a benchmark-only wrapper: the third call runs under the profiler
         calls[0] += 1
@@ -62,7 +68,9 @@ def child(config_path: Path, precision: str, out: Path) -> None:
     for event in profiler.key_averages():
         key = group(event.key)
         seconds[key] = seconds.get(key, 0.0) + event.self_cpu_time_total / 1e6
-    out.write_text(json.dumps({"model": config.model, "seconds": seconds,
+    by_shape = sorted(profiler.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    top = [[e.key, str(e.input_shapes), e.count, e.self_cpu_time_total / 1e6] for e in by_shape[:TOP]]
+    out.write_text(json.dumps({"model": config.model, "seconds": seconds, "top": top,
                                "shape": [config.train.micro_batch_size, config.data.context_length]}))
 
 
@@ -85,22 +93,35 @@ def attention_kernels(batch: int, heads: int, context: int, head_size: int) -> d
     return out
 
 
+def setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE → (KEY, VALUE read as JSON, else the string)."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_step_profile_<model>")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for both precisions (VALUE read as JSON where it parses)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(Path(args.child[0]), args.child[1], Path(args.child[2]))
+        return child(Path(args.child[0]), args.child[1], Path(args.child[2]), json.loads(args.child[3]))
+    overrides = dict(setting(s) for s in args.set)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, precision in PRECISIONS.items():
             out = Path(tmp) / f"{name}.json"
-            subprocess.run([sys.executable, __file__, "--child", str(args.config), precision, str(out)], check=True,
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run([sys.executable, __file__, "--child", str(args.config), precision, str(out),
+                            json.dumps(overrides)], check=True, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
             profiles[name] = json.loads(out.read_text())
     import torch
     from transformers import AutoConfig
@@ -124,9 +145,13 @@ def main() -> None:
               f"Causal attention forward + backward alone, {batch} × {hf.num_attention_heads} heads × {context} × "
               f"{head_dim}, CPU seconds (best of 3):", "",
               "| kernel | seconds |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in kernels.items()]
+    for name in PRECISIONS:
+        lines += ["", f"The {TOP} largest operators in {name} (self CPU seconds):", "",
+                  "| operator | input shapes | calls | seconds |", "|---|---|---|---|"]
+        lines += [f"| {op} | {shapes[:90]} | {calls} | {sec:.3f} |" for op, shapes, calls, sec in profiles[name]["top"]]
     out = args.out or ROOT / "benchmarks/results" / f"cpu_step_profile_{model.replace('/', '_')}"
     (out.parent / f"{out.name}.json").write_text(json.dumps({"profiles": profiles, "attention_kernels": kernels,
-                                                             "threads": args.threads}, indent=1))
+                                                             "threads": args.threads, "settings": overrides}, indent=1))
     (out.parent / f"{out.name}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -58,11 +58,14 @@ def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path)
     config.write_text(load_preset("tiny").model_dump_json())
     out = tmp_path / "profile"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_step_profile.py"), "--config", str(config),
-                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+                    "--out", str(out), "--set", "train.flush_denormals=false"], check=True, cwd=ROOT, capture_output=True)
     results = json.loads(out.with_suffix(".json").read_text())
+    assert results["settings"] == {"train.flush_denormals": False}
     for precision in ("fp32", "bf16"):
         seconds = results["profiles"][precision]["seconds"]
         assert seconds["matrix products"] > 0 and seconds["attention"] > 0, precision
+        top = results["profiles"][precision]["top"]
+        assert len(top) == 10 and top[0][3] >= top[-1][3] > 0 and "[" in top[0][1]  # the largest, with shapes
     assert set(results["attention_kernels"]) == {"flash_attention float32", "math float32",
                                                  "flash_attention bfloat16", "math bfloat16"}
     assert "| attention |" in out.with_suffix(".txt").read_text()
