@@ -5,9 +5,9 @@ Runs a run config (default: `benchmarks/configs/smollm2-135m_vanilla_realtext.to
 backward of the third step with torch.profiler (self CPU time per operator; the optimiser step is
 outside it). Operators are grouped: matrix products (mm, addmm, bmm), attention (PyTorch's
 scaled-dot-product kernels), the vocabulary log-softmax and its backward, dtype casts (copy_, _to_copy)
-and the rest; and the ten operators of largest self CPU time with their input shapes (how the subnormal
-floats of a large vocabulary's distillation gradient were found, `lnfree.removal.runtime`). `--set KEY=VALUE`
-changes a setting of the config in both precisions (`--set train.flush_denormals=false`). Then a kernel check: causal scaled-dot-product attention forward + backward at the
+and the rest; and the ten operators of largest self CPU time with their input shapes (which tensors a
+step's time goes to: Gemma 3's are the 256 × 262,144 logits of the distillation loss). `--set KEY=VALUE`
+changes a setting of the config in both precisions (`--set train.cpu_fp32_attention=false`). Then a kernel check: causal scaled-dot-product attention forward + backward at the
 config's shape (batch × heads × context × head size) with PyTorch's flash and math backends, in fp32
 and bf16. Prints each group's seconds per precision and the fp32 / bf16 ratio, and writes
 `benchmarks/results/cpu_step_profile_<model>.json` / `.txt`.

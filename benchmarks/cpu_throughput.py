@@ -5,16 +5,14 @@ Runs `lnfree remove` itself (a subprocess per run, the same kind of process ever
 config (default: `experiments/robust/gemma3_coverage.toml`, Gemma 3 270M distilled from its teacher, with
 vocabulary coverage), cut to `--steps` steps with one early removal (`throughput.bench_config`), in
 these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
-`train.chunked_vocab_loss`, `train.fused_optimizer`, `train.flush_denormals` and `train.freeze_embeddings`
-(and bf16's `train.cpu_fp32_attention`) explicitly:
+`train.chunked_vocab_loss`, `train.fused_optimizer` and `train.freeze_embeddings` (and bf16's
+`train.cpu_fp32_attention`) explicitly:
 - fp32: no autocast, fp32 teacher, the plain loss, the embedding frozen, fused AdamW (the baseline of
   every ratio unless `--baseline` or `--before`);
 - … (loop AdamW): torch's per-parameter AdamW loop (`train.fused_optimizer = false`);
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher (attention in fp32 at short contexts,
   `lnfree.removal.precision.attention_in_fp32`);
 - bf16 (bf16 attention): attention in bf16 at every context (`train.cpu_fp32_attention = false`);
-- … (subnormals kept): subnormal floats computed as such, not flushed to zero (`train.flush_denormals = false`,
-  `lnfree.removal.runtime`; every other variant flushes them);
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
 - … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too);
@@ -54,8 +52,7 @@ from lnfree.removal.precision import cpu_description, cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"train.mixed_precision": "no", "train.teacher_dtype": "fp32", "train.chunked_vocab_loss": None,
-        "train.fused_optimizer": True, "train.flush_denormals": True}
-KEPT = {"train.flush_denormals": False}
+        "train.fused_optimizer": True}
 BF16 = {**FP32, "train.mixed_precision": "bf16", "train.teacher_dtype": "bf16", "train.cpu_fp32_attention": True}
 CHUNKED = {**BF16, "train.chunked_vocab_loss": "chunk"}  # "chunk": replaced by --chunk
 LOOP = {"train.fused_optimizer": False}
@@ -65,8 +62,6 @@ VARIANTS = {
     "bf16": {**BF16, "train.freeze_embeddings": True},
     "bf16 (loop AdamW)": {**BF16, **LOOP, "train.freeze_embeddings": True},
     "bf16 (bf16 attention)": {**BF16, "train.freeze_embeddings": True, "train.cpu_fp32_attention": False},
-    "fp32 (subnormals kept)": {**FP32, **KEPT, "train.freeze_embeddings": True},
-    "bf16 (subnormals kept)": {**BF16, **KEPT, "train.freeze_embeddings": True},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
     "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},
@@ -74,8 +69,8 @@ VARIANTS = {
     "bf16 + chunked (embedding trained)": {**CHUNKED, "train.freeze_embeddings": False},
 }
 #: With `--before DIR`: the same settings run by the lnfree checkout in DIR (its `src/`), which knows no
-#: `train.fused_optimizer` (its AdamW is the per-parameter loop), `train.cpu_fp32_attention` nor
-#: `train.flush_denormals` (it kept subnormal floats), and computes CE and KL apart.
+#: `train.fused_optimizer` (its AdamW is the per-parameter loop) nor `train.cpu_fp32_attention`, and computes CE
+#: and KL apart.
 BEFORE = {"fp32 (lnfree before)": "fp32", "bf16 (lnfree before)": "bf16"}
 BASELINE = "fp32"
 
@@ -108,7 +103,7 @@ def one_run(config, overrides: dict, workdir: Path, warmup: int, threads: int | 
         data.setdefault(section, {})[field] = value
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     if code is not None:
-        for setting in ("fused_optimizer", "cpu_fp32_attention", "flush_denormals"):
+        for setting in ("fused_optimizer", "cpu_fp32_attention"):
             data["train"].pop(setting, None)
         env["PYTHONPATH"] = str(code / "src")
     path.write_text(json.dumps(data))

@@ -162,11 +162,6 @@ class TrainConfig(_Strict):
         True, description="on a CPU, keep freed memory in glibc's heap instead of returning it to the kernel "
         "(lnfree.removal.runtime): large-vocabulary steps stop page-faulting their logits in again"
     )
-    flush_denormals: bool = Field(
-        True, description="flush subnormal floats (below 1.2e-38) to zero in the CPU's arithmetic during the run: x86 "
-        "CPUs compute with them tens of times slower, and a large vocabulary's distillation gradient is full of them "
-        "(lnfree.removal.runtime)"
-    )
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N complete checkpoints (a big model's are GBs each); None: all"

@@ -20,11 +20,10 @@ from lnfree.removal.resolve import RunError, learning_rate
 
 logger = logging.getLogger("lnfree")
 
-#: Config fields that change how a run is logged, evaluated or checkpointed, or how fast a CPU runs it, not
-#: what it trains (flushing subnormals changes values below 1.2e-38 only): a run may resume with other values
-#: (the run config then records the new ones).
+#: Config fields that change how a run is logged, evaluated or checkpointed, not what it trains: a run
+#: may resume with other values (the run config then records the new ones).
 BOOKKEEPING_FIELDS = {"train": ("eval_every", "log_every", "save_every", "keep_checkpoints", "report_to",
-                                "steady_allocator", "flush_denormals")}
+                                "steady_allocator")}
 
 
 def prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool, n_layer: int) -> list[str]:

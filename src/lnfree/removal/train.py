@@ -63,7 +63,7 @@ from lnfree.removal.resolve import (  # noqa: F401 (re-exported)
     RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
 )
 from lnfree.removal.runfolder import prepare_output_dir
-from lnfree.removal.runtime import denormals_flushed, steady_allocator
+from lnfree.removal.runtime import steady_allocator
 from lnfree.removal.schedule import Event
 from lnfree.removal.timeline import Timeline
 
@@ -96,17 +96,16 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     output folder is touched. `resume` continues from the newest complete checkpoint; resuming a
     finished run changes nothing and returns it with `already_finished`.
     """
-    with quiet_libraries(), denormals_flushed(config.train.flush_denormals) as flushed:  # lnfree.removal.runtime
-        return _run(config, resume=resume, overwrite=overwrite, progress=progress, flushed=flushed)
+    with quiet_libraries():
+        return _run(config, resume=resume, overwrite=overwrite, progress=progress)
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
-def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool, flushed: bool) -> RunResult:
-    """Set up, start (or resume from a checkpoint), train `max_steps` optimiser steps, finish (`flushed`: whether
-    subnormal floats are flushed to zero meanwhile, for the log)."""
-    s = _set_up(config, resume, overwrite, flushed)
+def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) -> RunResult:
+    """Set up, start (or resume from a checkpoint), train `max_steps` optimiser steps, finish."""
+    s = _set_up(config, resume, overwrite)
     config, train, accelerator, out = s.config, s.config.train, s.accelerator, s.out
     ce_start = None if resume else _start(s)
     damping = _damping(config, s.model, s.batches, out, resume, accelerator.is_main_process)
@@ -189,7 +188,6 @@ class _Setup:
     precision: str
     momentum: float  # σ momentum per optimiser step
     steady: bool  # whether glibc keeps freed memory (`lnfree.removal.runtime.steady_allocator`)
-    flushed: bool  # whether subnormal floats are flushed to zero (`lnfree.removal.runtime.flush_denormals`)
     amended: list[str]  # the config fields a resumed run changed
     coverage_rows: Callable[[int, int, Coverage], torch.Tensor] | None  # (step, micro-step, settings) → generated rows
     mined: MinedIds  # the ids `train.coverage.mine` found (the run folder's MINED)
@@ -200,7 +198,7 @@ class _Setup:
         return Path(self.config.output_dir)
 
 
-def _set_up(config: RunConfig, resume: bool, overwrite: bool, flushed: bool) -> _Setup:
+def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
     """Check and resolve everything, then open the run folder and prepare the model, data and log."""
     accelerator = make_accelerator(config)
     set_seed(config.train.seed)
@@ -236,7 +234,7 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool, flushed: bool) -> 
     held_out = HeldOut(model, model, data, config.data.eval_sequences, micro_batch, autocast, scale_probe,
                        accelerator.device, scored)
     return _Setup(config, accelerator, model, arch, events, data, batches, loader, held_out, log, teacher, autocast,
-                  precision, momentum, steady, flushed, amended, *coverage_rows(config, accelerator.process_index, context,
+                  precision, momentum, steady, amended, *coverage_rows(config, accelerator.process_index, context,
                                                                        model, tokenizer))
 
 
@@ -271,7 +269,7 @@ def _start(s: _Setup) -> float:
            "mode": config.removal.mode, "precision": s.precision, "processes": accelerator.num_processes,
            "micro_batch_size": batches.micro_batch_size, "accumulation": batches.accumulation,
            "data": s.data.description, "data_stats": s.data.stats, "sigma_momentum_per_step": s.momentum,
-           "steady_allocator": s.steady, "flush_denormals": s.flushed, **s.held_out.scales()})
+           "steady_allocator": s.steady, **s.held_out.scales()})
     return ce_start
 
 
