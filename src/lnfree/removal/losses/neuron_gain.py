@@ -7,9 +7,11 @@ g and u the gate and up rows (the input norm's weight folded in) and d the outpu
 (a non-gated MLP's: |w| |d|, linear in s). In SmolLM2-135M the neurons of largest gain are exactly those that
 write and erase its massive activations: block 2's 90 and 430 (15.7× and 9.3× the block's median gain;
 no other neuron of blocks 0–10 is above 6.5×), block 11's 1229 and 1487 (28×, 16×), block 27's 903 and
-block 28's 678 (86×, 120×; `experiments/results/smollm2-135m/neuron_gain/`) (`experiments/smollm2/neuron_gain.py`). The first two also write the tokens that
-run away when ln_2 are fixed (`experiments/results/smollm2-135m/`). A loss on activations sees such a token
-only when the text holds one; this one acts on the weights, so it bounds every token, seen or not.
+block 28's 678 (86×, 120×; `experiments/smollm2/neuron_gain.py`). The first two also write the tokens that
+run away when ln_2 are fixed. A loss on activations sees such a token only when the text holds one; this
+one acts on the weights, on every token, seen or not. (Measured there: bounded at 4× the median, as a loss
+or projected, they still write the runaway tokens, whose input is the larger part of the product;
+`experiments/results/smollm2-135m/README.md`.)
 
 The loss is Σ over blocks and neurons of max(0, log gain − log(ratio × the block's median gain))², the
 median taken from the current weights and detached (no reference to keep: the same on every resume), so
