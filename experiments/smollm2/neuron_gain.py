@@ -1,4 +1,4 @@
-"""Each MLP neuron's gain in weight space (`lnfree.removal.losses.neuron_gain`), against its block's median.
+"""Each MLP neuron's gain in weight space (`lnfree.removal.losses.gain`), against its block's median.
 
     python experiments/smollm2/neuron_gain.py [MODEL_OR_CHECKPOINT ...] [--labels ...] [--out DIR]
 
@@ -21,7 +21,7 @@ import torch
 
 from lnfree.forms.export import load_checkpoint
 from lnfree.models.base import load_base
-from lnfree.removal.losses.neuron_gain import GainWeights
+from lnfree.removal.losses.gain import GainWeights
 
 NAMED = {1: [83], 2: [90, 430, 701], 3: [667], 11: [1229, 1487], 27: [903], 28: [678]}
 

@@ -15,7 +15,7 @@ from lnfree.fixedscale.ceiling import ScaleCeiling
 from lnfree.removal.losses.coverage import Coverage
 from lnfree.removal.losses.margin import StabilityMargin
 from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
-from lnfree.removal.losses.neuron_gain import NeuronGain
+from lnfree.removal.losses.gain import NeuronGain
 from lnfree.removal.losses.neuron_range import NeuronRange
 from lnfree.removal.losses.position0_mlp import Position0Mlp
 from lnfree.removal.schedule import Adaptive, Schedule
@@ -114,7 +114,7 @@ class TrainConfig(_Strict):
     neuron_gain: NeuronGain | list[NeuronGain] | None = Field(
         None, description="a bound, in weight space, on every MLP neuron's gain (|gate|·|up|·(1 + |cos|)/2·|down|, the "
         "input norm's weight folded in) above ratio × its block's median: bounds what a neuron can write for an "
-        "input of any size, on every token (lnfree.removal.losses.neuron_gain)"
+        "input of any size, on every token (lnfree.removal.losses.gain)"
     )
     stability_margin: StabilityMargin | list[StabilityMargin] | None = Field(
         None, description="in a forward of its own over a few of each micro-batch's sequences, one token's residual "

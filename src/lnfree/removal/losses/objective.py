@@ -11,7 +11,7 @@ alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towa
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
 its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); gain bounds every MLP
 neuron's gain in weight space, the same on every micro-batch (`train.neuron_gain`,
-`lnfree.removal.losses.neuron_gain`); margin, in forwards of
+`lnfree.removal.losses.gain`); margin, in forwards of
 its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one
 token's residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With
 `train.coverage` (`lnfree.removal.losses.coverage`) each
@@ -48,7 +48,7 @@ from lnfree.removal.losses.massive import (
     typical_scale,
     weighted_inputs,
 )
-from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, project_gains
+from lnfree.removal.losses.gain import GainWeights, neuron_gain_loss, project_gains
 from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 from lnfree.removal.config import with_overrides
-from lnfree.removal.losses.neuron_gain import GainWeights, neuron_gain_loss, neuron_gains, project_gains
+from lnfree.removal.losses.gain import GainWeights, neuron_gain_loss, neuron_gains, project_gains
 from lnfree.removal.train import run
 from families import FAMILIES, tiny_family
 
