@@ -58,7 +58,8 @@ def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path)
     config.write_text(load_preset("tiny").model_dump_json())
     out = tmp_path / "profile"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_step_profile.py"), "--config", str(config),
-                    "--out", str(out), "--set", "train.cpu_fp32_attention=false"], check=True, cwd=ROOT, capture_output=True)
+                    "--out", str(out), "--set", "train.cpu_fp32_attention=false"],
+                   check=True, cwd=ROOT, capture_output=True)
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["settings"] == {"train.cpu_fp32_attention": False}
     for precision in ("fp32", "bf16"):
