@@ -10,7 +10,9 @@ each sequence with a non-finite residual, the earliest layer at which a token at
 `--ratio`× the median token's residual RMS there (median over the finite sequences; position 0 has its own
 σ in these runs), which tokens, their ratio layer by layer, and the MLP neurons of the block that made
 them (the block before that layer): |activation| × the neuron's output-weight norm on the token, against the
-neuron's largest elsewhere in the sequence. Writes results.json and tables.md to --out.
+neuron's largest elsewhere in the sequence; and what each sublayer of the blocks up to that one wrote on the token,
+over the median token of its sequence (attention and MLP outputs: which one first lifts it). Writes results.json
+and tables.md to --out.
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ def writers(model, ids: torch.Tensor, block: int, position: int, top: int = 4) -
             for v, j in zip(chosen.values, chosen.indices)]
 
 
+@torch.no_grad()
+def sublayers(model, ids: torch.Tensor, position: int, blocks: int) -> list[list[float]]:
+    """Per block up to `blocks`, [attention, MLP] output norm on the token at `position` of the one sequence `ids`
+    over the median of that output at positions ≥ 1."""
+    paths = architecture(model).output_modules()[: 2 * blocks]
+    outputs = [captured_output(model, path, ids[None])[0].float().norm(dim=-1) for path in paths]
+    ratios = [round(float(o[position] / o[1:][torch.isfinite(o[1:])].median()), 1) for o in outputs]
+    return [ratios[i:i + 2] for i in range(0, len(ratios), 2)]
+
+
+def captured_output(model, path: str, ids: torch.Tensor) -> torch.Tensor:
+    """The output of the submodule `path` (its first element, for a tuple) in a forward over `ids`."""
+    kept = []
+    handle = model.get_submodule(path).register_forward_hook(
+        lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return kept[0].detach()
+
+
 def origins(model, tokenizer, ids: torch.Tensor, ratio: float, shown: int) -> dict:
     """The non-finite sequences of `ids` and, for the first `shown` of them, where their runaway starts."""
     rms = residuals(model, ids)
@@ -76,19 +100,21 @@ def origins(model, tokenizer, ids: torch.Tensor, ratio: float, shown: int) -> di
                      "before": tokenizer.decode(ids[s, max(0, p - 3):p]),
                      "times_median": [round(float(x), 2) for x in times[: layer + 2, s, p]],
                      "position0_times_median": [round(float(x), 2) for x in times[: layer + 2, s, 0]],
-                     "writers": writers(model, ids[s], layer - 1, p) if layer > 0 else []})
+                     "writers": writers(model, ids[s], layer - 1, p) if layer > 0 else [],
+                     "sublayers_times_median": sublayers(model, ids[s], p, layer)})
     return {"sequences": ids.shape[0], "nonfinite_sequences": int((~finite).sum()), "origins": rows}
 
 
 def table(label: str, result: dict) -> list[str]:
     lines = [f"## {label}", "", f"{result['nonfinite_sequences']} of {result['sequences']} sequences non-finite.", "",
              "| seq | first layer over | positions | tokens (after) | token × median, layer 0 … | position 0 × median "
-             "| writers in the block before: neuron (writes / largest elsewhere) |", "|---|---|---|---|---|---|---|"]
+             "| writers in the block before: neuron (writes / largest elsewhere) | blocks 0 … its: attention, MLP output "
+             "× median |", "|---|---|---|---|---|---|---|---|"]
     for r in result["origins"]:
         who = ", ".join(f"{w['neuron']} ({w['writes']:.3g} / {w['largest_elsewhere']:.2g})" for w in r["writers"])
         lines.append(f"| {r['sequence']} | {r['layer']} | {r['positions']} | {r['tokens']!r} ({r['before']!r}) | "
                      f"{', '.join(map(str, r['times_median']))} | {', '.join(map(str, r['position0_times_median']))} | "
-                     f"{who} |")
+                     f"{who} | {'; '.join(f'{a}, {m}' for a, m in r.get('sublayers_times_median', []))} |")
     return lines + [""]
 
 
