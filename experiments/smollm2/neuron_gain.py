@@ -19,16 +19,10 @@ from pathlib import Path
 
 import torch
 
-from lnfree.forms.export import load_checkpoint
-from lnfree.models.base import load_base
+from lnfree.forms.load import load
 from lnfree.removal.losses.gain import GainWeights
 
 NAMED = {1: [83], 2: [90, 430, 701], 3: [667], 11: [1229, 1487], 27: [903], 28: [678]}
-
-
-def load(name: str):
-    """A run checkpoint (a folder) or a model name."""
-    return load_checkpoint(name)[0] if Path(name).is_dir() else load_base(name)[0]
 
 
 @torch.no_grad()
@@ -68,7 +62,7 @@ def main() -> None:
     labels = args.labels or args.models
     if len(labels) != len(args.models):
         parser.error("give one label per model")
-    results = {label: gain_table(load(name), args.top) for label, name in zip(labels, args.models)}
+    results = {label: gain_table(load(name).model, args.top) for label, name in zip(labels, args.models)}
     lines = ["# MLP neuron gains over their block's median", "",
              "By `experiments/smollm2/neuron_gain.py`: gain = |gate|·|up|·(1 + |cos(gate, up)|)/2·|down| with the "
              "MLP-input norm's weight folded in (what a neuron writes per squared input scale in its worst "

@@ -63,23 +63,18 @@ def writers(model, ids: torch.Tensor, block: int, position: int, top: int = 4) -
 @torch.no_grad()
 def sublayers(model, ids: torch.Tensor, position: int, blocks: int) -> list[list[float]]:
     """Per block up to `blocks`, [attention, MLP] output norm on the token at `position` of the one sequence `ids`
-    over the median of that output at positions ≥ 1."""
-    paths = architecture(model).output_modules()[: 2 * blocks]
-    outputs = [captured_output(model, path, ids[None])[0].float().norm(dim=-1) for path in paths]
+    over the median of that output at positions ≥ 1 (one forward)."""
+    outputs = []
+    handles = [model.get_submodule(path).register_forward_hook(
+        lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else out)[0].float().norm(dim=-1)))
+        for path in architecture(model).output_modules()[: 2 * blocks]]
+    try:
+        model(input_ids=ids[None], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
     ratios = [round(float(o[position] / o[1:][torch.isfinite(o[1:])].median()), 1) for o in outputs]
     return [ratios[i:i + 2] for i in range(0, len(ratios), 2)]
-
-
-def captured_output(model, path: str, ids: torch.Tensor) -> torch.Tensor:
-    """The output of the submodule `path` (its first element, for a tuple) in a forward over `ids`."""
-    kept = []
-    handle = model.get_submodule(path).register_forward_hook(
-        lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out))
-    try:
-        model(input_ids=ids, use_cache=False)
-    finally:
-        handle.remove()
-    return kept[0].detach()
 
 
 def origins(model, tokenizer, ids: torch.Tensor, ratio: float, shown: int) -> dict:

@@ -72,9 +72,9 @@ class GainWeights:
     def norm_weight(self, norm: nn.Module | None) -> torch.Tensor | None:
         """What the norm multiplies by: an installed norm holds it, a plain one may store it less an offset
         (Gemma's weight − 1)."""
-        if norm is None or isinstance(norm, FixedScaleNorm):
-            return None if norm is None else norm.weight
-        return norm.weight + self.offset
+        if norm is None:
+            return None
+        return norm.weight if isinstance(norm, FixedScaleNorm) else norm.weight + self.offset
 
 
 def neuron_gains(rows: list[torch.Tensor], out: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
