@@ -20,7 +20,7 @@ from lnfree.removal.config import TrainConfig, with_overrides
 from lnfree.removal.losses.distill import kl_to_teacher
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.train import run
-from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, _frozen_cast, logits_loss, vocab_loss
 
 
 def problem(dtype=torch.float32, seed=0, tokens=(3, 7), hidden=16, vocab=50):
@@ -42,15 +42,22 @@ def plain(h, w, labels, teacher, ce_weight, kl_weight, temperature):
     return ce_weight * ce + kl_weight * kl, ce, kl
 
 
+def from_logits(h, w, labels, teacher, **kwargs):
+    """`logits_loss` on the whole logits of `h` and `w` and the teacher's."""
+    return logits_loss(F.linear(h, w), labels, F.linear(*teacher), **kwargs)
+
+
+@pytest.mark.parametrize("fused", [vocab_loss, from_logits])  # from the hidden states and the head, or from logits
 @pytest.mark.parametrize("chunk", [4, 1024])  # 21 tokens in 6 chunks, or in one
 @pytest.mark.parametrize("ce_weight,kl_weight,temperature", [(0.5, 0.5, 1.0), (1.0, 0.0, 1.0), (0.3, 0.7, 2.0),
                                                              (0.0, 1.0, 1.0)])
-def test_the_chunked_loss_and_its_gradients_are_the_plain_ones_in_fp32(chunk, ce_weight, kl_weight, temperature):
+def test_the_chunked_loss_and_its_gradients_are_the_plain_ones_in_fp32(fused, chunk, ce_weight, kl_weight,
+                                                                       temperature):
     h, w, labels, teacher = problem()
     expected = plain(h, w, labels, teacher, ce_weight, kl_weight, temperature)
     grads = torch.autograd.grad(expected[0] * 0.25, (h, w))  # as `loss / accumulation` is backpropagated
-    got = vocab_loss(h, w, labels, teacher, ce_weight=ce_weight, kl_weight=kl_weight, temperature=temperature,
-                     chunk=chunk)
+    got = fused(h, w, labels, teacher, ce_weight=ce_weight, kl_weight=kl_weight, temperature=temperature,
+                chunk=chunk)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert not got[1].requires_grad and not got[2].requires_grad
@@ -72,6 +79,33 @@ def test_under_bf16_autocast_it_multiplies_in_bf16_and_keeps_the_loss_in_fp32():
     assert new[0].dtype == h.dtype and new[1].dtype == w.dtype
     for a, b in zip(new, grads):  # bf16 products of the gradient, rounded per chunk vs once
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_on_bf16_logits_the_gradient_is_bf16_and_a_teacher_alone_gives_the_kl():
+    h, w, labels, teacher = problem(seed=2)
+    logits = F.linear(h, w).bfloat16()
+    target = F.linear(*teacher).bfloat16()
+    loss, ce, kl = logits_loss(logits, labels, target, ce_weight=0.5, kl_weight=0.5, chunk=4)
+    reference = 0.5 * F.cross_entropy(logits.float().reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE) \
+        + 0.5 * kl_to_teacher(logits, target)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    got, = torch.autograd.grad(loss, logits)
+    expected_grad, = torch.autograd.grad(reference, logits)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected_grad)  # both rounded once to bf16 from fp32
+    alone = logits_loss(logits, None, target, ce_weight=0.0, kl_weight=1.0)
+    assert alone[1] == 0 and alone[2] == pytest.approx(kl_to_teacher(logits, target).item(), rel=1e-5)
+
+
+def test_a_frozen_heads_copy_is_kept_until_the_weight_changes():
+    w = torch.randn(8, 4)
+    first = _frozen_cast(w, torch.bfloat16)
+    assert _frozen_cast(w, torch.bfloat16) is first
+    w.mul_(2)  # as a checkpoint's load or an in-place update would
+    again = _frozen_cast(w, torch.bfloat16)
+    assert again is not first and torch.equal(again, w.bfloat16())
+    trained = w.clone().requires_grad_()
+    assert _frozen_cast(trained, torch.bfloat16) is not _frozen_cast(trained, torch.bfloat16)
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_still_do():

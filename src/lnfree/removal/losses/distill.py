@@ -58,10 +58,10 @@ def ce_and_kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Ten
                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(CE, `kl_to_teacher`) of the student's logits in fp32 chunks of tokens: CE the mean over the
     positions whose `labels` (each position's next token, `IGNORE` where none) are not `IGNORE`, as
-    transformers computes it (zero without `labels`). At T = 1 one log-softmax of the student serves both
-    terms and its gradients meet in fp32 before the one cast back to the logits' dtype (over Gemma 3 270M's
-    262,144-token vocabulary, the second upcast, log-softmax and the division by T were a large part of a
-    CPU step: `benchmarks/cpu_throughput.py --before`)."""
+    transformers computes it (zero without `labels`). The plain autograd definition: a run's loss takes
+    the same value and gradient from `lnfree.removal.losses.vocab_loss.logits_loss`, which computes one
+    softmax per distribution and the gradient in the same pass (over Gemma 3 270M's 262,144-token
+    vocabulary, the passes over the logits are a large part of a CPU step)."""
     vocab = student_logits.shape[-1]
     student = student_logits.reshape(-1, vocab)
     teacher = teacher_logits.detach().reshape(-1, vocab)

@@ -35,7 +35,7 @@ from torch import nn
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
-from lnfree.removal.losses.distill import ce_and_kl_to_teacher
+from lnfree.removal.losses.distill import KL_CHUNK_TOKENS
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed, previewed
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
@@ -51,7 +51,7 @@ from lnfree.removal.losses.massive import (
 from lnfree.removal.losses.gain import GainWeights, neuron_gain_loss, project_gains
 from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
-from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, vocab_loss
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "gain", "margin", "margin_share",
@@ -223,7 +223,7 @@ class Objective:
         return [x for x, module in zip(inputs, self.norm_inputs.sources, strict=True) if module in self.residual_reads]
 
     def _teaching(self, kl_weight: float) -> bool:
-        """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `ce_and_kl_to_teacher`)."""
+        """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `logits_loss`)."""
         return self.teacher is not None and kl_weight > 0
 
     def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool):
@@ -248,8 +248,8 @@ class Objective:
         with torch.no_grad(), self.autocast():
             target = self.teacher(input_ids=ids, use_cache=False).logits
         targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE) if labels else None
-        ce, kl = ce_and_kl_to_teacher(output.logits, target, targets, self.train.distill_temperature)
-        return ce_weight * ce + kl_weight * kl, ce, kl
+        return logits_loss(output.logits, targets, target, ce_weight=ce_weight, kl_weight=kl_weight,
+                           temperature=self.train.distill_temperature, chunk=KL_CHUNK_TOKENS)
 
     def _chunked_terms(self, ids: torch.Tensor, ce_weight: float, kl_weight: float, labels: bool,
                        teaching: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ hidden states and (a trainable head) of the head's weight, held from the forward
 Each chunk passes once over the head's weight gradient, so where the head trains (not a tied head
 under `train.freeze_embeddings`) chunks of a micro-batch's tokens or more are cheapest on a CPU.
 
+`logits_loss` does the same from whole logits (the model's, where the loss is not chunked): the
+gradient with respect to them is taken in the forward and held in their dtype.
+
 `HeadInput` makes a model skip its own logits. The head's weight is read outside the forward, so
 this does not run under FSDP (whose weights are whole only inside it).
 """
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lnfree.errors import UsageError
 from lnfree.removal.losses.distill import IGNORE
@@ -127,12 +131,10 @@ class _FusedVocabLoss(torch.autograd.Function):
 
 def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool]):
     """(loss, CE, KL, (d loss / d hidden, d loss / d weight)): the chunk loop of `vocab_loss`."""
-    tokens, zero = hidden.shape[0], hidden.new_zeros((), dtype=torch.float32)
-    ce_sum, kl_sum = zero, zero
-    labelled = zero if labels is None else (labels != IGNORE).sum().float()
-    scales = (None if labels is None else spec.ce_weight / labelled,  # the factors of d loss / d logits
-              spec.kl_weight * spec.temperature / tokens)
-    w = weight.detach().to(spec.dtype)
+    tokens = hidden.shape[0]
+    ce_sum = kl_sum = hidden.new_zeros((), dtype=torch.float32)
+    labelled, scales = _scales(labels, tokens, spec)
+    w = _frozen_cast(weight, spec.dtype)
     t_w = None if teacher is None else teacher[1].to(spec.teacher_dtype)
     grad_h = torch.zeros_like(hidden) if needs[0] else None
     grad_w = None
@@ -151,9 +153,87 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
             grad_h[rows] = grad @ w
         if needs[1]:
             grad_w = _accumulate(grad_w, grad, h, weight.dtype)
-    ce = ce_sum / labelled if labels is not None else zero
-    kl = kl_sum * spec.temperature**2 / tokens if teacher is not None else zero
-    return spec.ce_weight * ce + spec.kl_weight * kl, ce, kl, (grad_h, grad_w)
+    return (*_totals(ce_sum, kl_sum, labelled, tokens, teacher is not None, spec), (grad_h, grad_w))
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, target: torch.Tensor | None = None, *,
+                ce_weight: float = 1.0, kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = 2048):
+    """`vocab_loss` of whole logits: `logits` (…, V) the student's, `target` the teacher's on the same tokens
+    (KL off without); the value and gradient of `lnfree.removal.losses.distill.ce_and_kl_to_teacher`, the
+    gradient taken `chunk` tokens at a time in the forward and held in the logits' dtype until the backward
+    (autograd through a log-softmax and `kl_div` kept fp32 values and took their backwards over them)."""
+    if labels is None and target is None:
+        zero = logits.new_zeros((), dtype=torch.float32)
+        return zero, zero, zero
+    vocab = logits.shape[-1]
+    spec = _Spec(ce_weight, kl_weight, temperature, chunk, logits.dtype, None)
+    return _FusedLogitsLoss.apply(logits.reshape(-1, vocab), None if labels is None else labels.reshape(-1),
+                                  None if target is None else target.detach().reshape(-1, vocab), spec,
+                                  torch.is_grad_enabled() and logits.requires_grad)
+
+
+class _FusedLogitsLoss(torch.autograd.Function):
+    """`logits_loss` with its gradient taken in the forward; the backward scales it."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, target, spec, grad_enabled):
+        tokens = logits.shape[0]
+        ce_sum = kl_sum = logits.new_zeros((), dtype=torch.float32)
+        labelled, scales = _scales(labels, tokens, spec)
+        ctx.grad = torch.empty_like(logits) if grad_enabled else None
+        with torch.autocast(logits.device.type, enabled=False):
+            for start in range(0, tokens, spec.chunk):
+                rows = slice(start, start + spec.chunk)
+                ce, kl, grad = _chunk_terms(logits[rows].float(), None if labels is None else labels[rows],
+                                            None if target is None else target[rows].float(), spec.temperature,
+                                            scales if grad_enabled else None)
+                ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
+                if grad is not None:
+                    ctx.grad[rows] = grad
+        loss, ce, kl = _totals(ce_sum, kl_sum, labelled, tokens, target is not None, spec)
+        ctx.mark_non_differentiable(ce, kl)
+        return loss, ce, kl
+
+    @staticmethod
+    def backward(ctx, grad_loss, _ce, _kl):
+        grad, ctx.grad = ctx.grad, None
+        return None if grad is None else grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None
+
+
+def _scales(labels: torch.Tensor | None, tokens: int, spec: _Spec) -> tuple[torch.Tensor | None, tuple]:
+    """(the number of labelled positions, the factors of the CE and KL terms of d loss / d logits), the
+    number and CE's factor None without labels."""
+    if labels is None:
+        return None, (None, spec.kl_weight * spec.temperature / tokens)
+    labelled = (labels != IGNORE).sum().float()
+    return labelled, (spec.ce_weight / labelled, spec.kl_weight * spec.temperature / tokens)
+
+
+def _totals(ce_sum: torch.Tensor, kl_sum: torch.Tensor, labelled: torch.Tensor | None, tokens: int, teaching: bool,
+            spec: _Spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, CE, KL) from the chunks' sums: CE the mean over the `labelled` positions (zero without labels),
+    T²·KL the mean over all (zero unless `teaching`)."""
+    zero = torch.zeros_like(ce_sum)
+    ce = ce_sum / labelled if labelled is not None else zero
+    kl = kl_sum * spec.temperature**2 / tokens if teaching else zero
+    return spec.ce_weight * ce + spec.kl_weight * kl, ce, kl
+
+
+#: The 16-bit copies of frozen heads, by head weight: (its version and storage, the copy).
+_CASTS = WeakIdKeyDictionary()
+
+
+def _frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, detached; a weight without gradient (a tied head under `train.freeze_embeddings`)
+    is cast once and the copy kept while it is unchanged, instead of once per micro-batch (Gemma 3's
+    head: 168M values)."""
+    if weight.dtype == dtype or weight.requires_grad:
+        return weight.detach().to(dtype)
+    key = (weight._version, weight.data_ptr(), dtype)
+    kept = _CASTS.get(weight)
+    if kept is None or kept[0] != key:
+        kept = _CASTS[weight] = (key, weight.detach().to(dtype))
+    return kept[1]
 
 
 def _accumulate(total: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -168,23 +248,43 @@ def _accumulate(total: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor,
 def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor | None, temperature: float,
                  scales: tuple | None):
     """(CE sum, KL sum, d loss / d logits or None) of one chunk's fp32 `logits`; `target`: the teacher's
-    fp32 logits; `scales`: the factors of the CE and KL gradients (None: no gradient)."""
+    fp32 logits (overwritten); `scales`: the factors of the CE and KL gradients (None: no gradient).
+
+    One softmax per distribution (at T = 1 the student's serves CE and KL), so two exponentials per logit
+    where log-softmax, its exponential and `kl_div` took six; the gradient (a·(q − onehot) + b·(q − p)) is
+    written into the student's probabilities."""
     ce = kl = logits.new_zeros(())
-    grad = log_q = None
+    probs = teacher = None
     if labels is not None:
-        log_probs = F.log_softmax(logits, -1)
-        ce = F.nll_loss(log_probs, labels, ignore_index=IGNORE, reduction="sum")
-        log_q = log_probs if temperature == 1 else None
-        if scales is not None:  # (softmax − one-hot) on the labelled rows
-            grad = log_probs.exp().scatter_add_(1, labels.clamp(min=0)[:, None], -logits.new_ones(len(labels), 1))
-            grad.mul_(((labels != IGNORE).float() * scales[0])[:, None])
+        probs, lse = _softmax_lse(logits)
+        picked = labels.clamp(min=0)[:, None]
+        labelled = (labels != IGNORE).float()
+        ce = ((lse - logits.gather(1, picked)[:, 0]) * labelled).sum()
     if target is not None:
-        if log_q is None:
-            log_q = F.log_softmax(logits / temperature, -1)
-        log_p = F.log_softmax(target / temperature, -1)
-        kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
-        if scales is not None:  # T²·d KL / d logits = T·(q − p)
-            step = log_q.exp_()  # log_q (or the CE's log_probs it may be) is not needed again
-            step.sub_(log_p.exp_()).mul_(scales[1])
-            grad = step if grad is None else grad.add_(step)
+        student = logits if temperature == 1 else logits / temperature
+        shifted, shifted_lse = (probs, lse) if temperature == 1 and probs is not None else _softmax_lse(student)
+        teacher, teacher_lse = _softmax_lse(target if temperature == 1 else target.div_(temperature))
+        # KL(p ‖ q) = Σ p·(log p − log q), log p − log q = (t − z)/T − (lse_p − lse_q), all in the target's memory
+        log_ratio = target.sub_(student).sub_((teacher_lse - shifted_lse)[:, None])
+        kl = log_ratio.mul_(teacher).sum()
+    if scales is None:
+        return ce, kl, None
+    a = 0.0 if labels is None else (labelled * scales[0])[:, None]
+    b = 0.0 if target is None else scales[1]
+    if target is None or shifted is probs:
+        grad = probs.mul_(a + b)
+    else:
+        grad = shifted.mul_(b) if probs is None else probs.mul_(a).add_(shifted, alpha=b)
+    if teacher is not None:
+        grad.sub_(teacher, alpha=b)
+    if labels is not None:
+        grad.scatter_add_(1, picked, -a)
     return ce, kl, grad
+
+
+def _softmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(x), logsumexp(x)) over the last dimension of 2-d `x`, with one exponential per value: the
+    log-sum-exp is read off the softmax's maximum (at the row's maximum, and at least 1 / vocabulary).
+    `amax`, not `max`: without the indices it is several times faster on a CPU."""
+    probs = torch.softmax(x, -1)
+    return probs, x.amax(-1) - probs.amax(-1).log()
