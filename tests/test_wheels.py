@@ -26,8 +26,12 @@ def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
     chunks = [b"GGUF-one-", b"two-", b"three"]
     parts = fake_parts(tmp_path, monkeypatch, chunks)
     good = WheelModel(tuple(parts), "joined.gguf", hashlib.sha256(b"".join(chunks)).hexdigest(), "pip install fake")
+    other = tmp_path / "cache" / "fake" / "source" / "joined.partial"  # another process's join, under way
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"GGUF-one-")
     folder = wheels._joined("fake", good)
     assert (folder / "joined.gguf").read_bytes() == b"GGUF-one-two-three"
+    assert sorted(p.name for p in folder.iterdir()) == ["joined.gguf", "joined.partial"]  # its file untouched
     wrong = WheelModel(tuple(parts), "other.gguf", "0" * 64, "pip install fake-parts==1")
     with pytest.raises(WheelModelError, match="sha256 .* expected 0{64}.*pip install fake-parts==1"):
         wheels._joined("fake2", wrong)

