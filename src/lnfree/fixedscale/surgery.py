@@ -81,15 +81,16 @@ def install(
     *,
     special_pos0: bool = False,
     per_head_pos0: bool = False,
+    pos0_span: int = 1,
     special_eot: bool = False,
     eot_token_id: int | None = None,
 ) -> nn.Module:
     """Swap every norm of `model` for a fixed-scale norm that starts out real (in place).
 
-    `special_pos0` gives every residual-stream norm a separate σ for sequence position 0, and with
-    `per_head_pos0` the per-head q/k norms too (Gemma 3, Qwen3); `special_eot` gives the ln_1 V paths a
-    separate σ for EOT tokens. Both are applied per token, and both need the model to be called with
-    `input_ids`.
+    `special_pos0` gives every residual-stream norm a separate σ for sequence position 0 (for the first
+    `pos0_span` positions), and with `per_head_pos0` the per-head q/k norms too (Gemma 3, Qwen3);
+    `special_eot` gives the ln_1 V paths a separate σ for EOT tokens. Both are applied per token, and both
+    need the model to be called with `input_ids`.
     """
     arch = architecture(model)
     if is_installed(model):
@@ -116,7 +117,7 @@ def install(
     if special_pos0 or special_eot:
         if eot_token_id is None:
             eot_token_id = model.config.eos_token_id
-        context = TokenContext(eot_token_id)
+        context = TokenContext(eot_token_id, pos0_span)
         model.register_forward_pre_hook(context, with_kwargs=True)
         for state in states.values():
             state.context = context

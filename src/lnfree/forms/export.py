@@ -384,7 +384,8 @@ def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, object, RunConfi
     if config.removal.mode == "remove":
         removal = config.removal
         surgery.install(model, special_pos0=removal.special_pos0, per_head_pos0=removal.special_pos0_per_head,
-                        special_eot=removal.special_eot, eot_token_id=tokenizer.eos_token_id)
+                        pos0_span=removal.special_pos0_span, special_eot=removal.special_eot,
+                        eot_token_id=tokenizer.eos_token_id)
     missing, unexpected = load_model(model, weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if unexpected or [k for k in missing if k not in tied]:

@@ -192,6 +192,11 @@ class RemovalConfig(_Strict):
         False, description="with special_pos0, give the per-head q/k norms their own position-0 σ too (faded with the "
         "others by the pos0_special stage): Gemma 3 270M's BOS key is 0.2–0.8× the other tokens' before k_norm"
     )
+    special_pos0_span: int = Field(
+        1, ge=1, description="with special_pos0, the leading positions that position 0's σ covers (1: position 0 "
+        "alone; 2: the token after the sink too, which some models make a second sink). A frozen σ_pos0 is one value "
+        "for all of them, so a span above 1 is meant with the pos0_real stage (each token its own real scale)"
+    )
     special_eot: bool = False
     blend_steps: int = Field(
         0, ge=0, description="gradual removal: steps over which each norm moves from its real per-token scale to "
@@ -209,6 +214,8 @@ class RemovalConfig(_Strict):
     def _per_head_pos0(self) -> RemovalConfig:
         if self.special_pos0_per_head and not self.special_pos0:
             raise ValueError("removal.special_pos0_per_head needs removal.special_pos0")
+        if self.special_pos0_span > 1 and not self.special_pos0:
+            raise ValueError("removal.special_pos0_span needs removal.special_pos0")
         return self
 
 

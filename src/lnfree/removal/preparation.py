@@ -29,7 +29,8 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
     removal, train = config.removal, config.train
     if removal.mode == "remove":
         surgery.install(model, special_pos0=removal.special_pos0, per_head_pos0=removal.special_pos0_per_head,
-                        special_eot=removal.special_eot, eot_token_id=eot_token_id)
+                        pos0_span=removal.special_pos0_span, special_eot=removal.special_eot,
+                        eot_token_id=eot_token_id)
     if train.dropout is not None:
         for module in model.modules():
             if isinstance(module, nn.Dropout):
