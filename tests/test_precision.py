@@ -70,7 +70,7 @@ def test_a_gpu_is_unchanged(monkeypatch):
 class SoftmaxInputs(TorchFunctionMode):
     """Records the dtype of every input to a softmax-family function called inside it."""
 
-    FUNCTIONS = (F.log_softmax, F.softmax, F.cross_entropy, F.nll_loss, F.kl_div, torch.logsumexp)
+    FUNCTIONS = (F.log_softmax, F.softmax, torch.softmax, F.cross_entropy, F.nll_loss, F.kl_div, torch.logsumexp)
 
     def __init__(self):
         super().__init__()
@@ -95,7 +95,7 @@ def terms_of(autocast, chunk=None, teacher_dtype=torch.float32) -> torch.Tensor:
     objective = Objective(student.train(), train, architecture(student), teacher, 0, autocast)
     with SoftmaxInputs() as seen:
         loss, terms = objective(student, ids, (None,) * len(TAILS))
-    assert seen.dtypes == {torch.float32}, "CE and KL take fp32 log-probabilities"
+    assert seen.dtypes == {torch.float32}, "CE and KL take fp32 logits"
     loss.backward()
     return terms
 
