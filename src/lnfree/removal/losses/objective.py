@@ -35,7 +35,6 @@ from torch import nn
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
-from lnfree.removal.losses.distill import KL_CHUNK_TOKENS
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed, previewed
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
@@ -249,7 +248,7 @@ class Objective:
             target = self.teacher(input_ids=ids, use_cache=False).logits
         targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE) if labels else None
         return logits_loss(output.logits, targets, target, ce_weight=ce_weight, kl_weight=kl_weight,
-                           temperature=self.train.distill_temperature, chunk=KL_CHUNK_TOKENS)
+                           temperature=self.train.distill_temperature)
 
     def _chunked_terms(self, ids: torch.Tensor, ce_weight: float, kl_weight: float, labels: bool,
                        teaching: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lnfree.errors import UsageError
-from lnfree.removal.losses.distill import IGNORE
+from lnfree.removal.losses.distill import IGNORE, KL_CHUNK_TOKENS
 
 
 class HeadInput:
@@ -157,7 +157,7 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, target: torch.Tensor | None = None, *,
-                ce_weight: float = 1.0, kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = 2048):
+                ce_weight: float = 1.0, kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS):
     """`vocab_loss` of whole logits: `logits` (…, V) the student's, `target` the teacher's on the same tokens
     (KL off without); the value and gradient of `lnfree.removal.losses.distill.ce_and_kl_to_teacher`, the
     gradient taken `chunk` tokens at a time in the forward and held in the logits' dtype until the backward
