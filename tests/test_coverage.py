@@ -10,7 +10,9 @@ import torch
 
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import with_overrides
-from lnfree.removal.losses.coverage import Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales
+from lnfree.removal.losses.coverage import (
+    REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales,
+)
 from lnfree.removal.train import RunError, run
 
 
@@ -151,3 +153,15 @@ def test_generated_rows_start_with_bos_under_data_bos_always_as_the_text_does(ru
         rows, _ = coverage_rows(config, 0, 16, model, tokenizer)
         ids = torch.cat([rows(step, 0, config.train.coverage) for step in range(8)])
         assert bool((ids[:, 0] == tokenizer.bos_token_id).all()) == starts_with_bos
+
+
+def test_replay_in_random_rows_takes_its_share_of_positions_and_leaves_other_settings_unchanged():
+    args = {"context": 64, "vocab_size": 100_000, "bos": 3, "seed": 0}
+    plain = coverage_ids(Coverage(rows=32, repeated_share=0.0), 5, 0, 0, **args)
+    assert torch.equal(coverage_ids(Coverage(rows=32, repeated_share=0.0, replay=[7, 9]), 5, 0, 0, **args), plain)
+    rows = coverage_ids(Coverage(rows=200, repeated_share=0.0, replay=[7, 9], replay_random=1.0), 5, 0, 0, **args)
+    share = float(((rows[:, 1:] == 7) | (rows[:, 1:] == 9)).float().mean())
+    assert abs(share - REPLAY_DENSITY) < 0.02 and (rows[:, 0] == 3).all()
+    half = coverage_ids(Coverage(rows=400, repeated_share=0.0, replay=[7, 9], replay_random=0.5), 5, 0, 0, **args)
+    carrying = float(((half[:, 1:] == 7) | (half[:, 1:] == 9)).any(dim=1).float().mean())
+    assert 0.4 < carrying < 0.6

@@ -11,7 +11,8 @@ import torch
 
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.coverage import Coverage
-from lnfree.removal.mining import MinedIds, Mining, mine, text_envelope, vocabulary_part
+from lnfree.evaluate.stress import sweep_sequences
+from lnfree.removal.mining import MinedIds, Mining, mine, random_order, random_rows, text_envelope, vocabulary_part
 from lnfree.removal.train import run
 
 
@@ -42,26 +43,53 @@ def test_mining_finds_an_id_planted_to_run_away_when_repeated(run_config):
     model, _ = load_base(run_config().model)
     text = torch.randint(0, model.config.vocab_size, (4, 16))
     assert text_envelope(model, text).shape == (model.config.n_layer + 1,)
-    clean, swept = mine(model, Mining(of=1), text, bos=None, seed=0)
+    clean = mine(model, Mining(of=1), text, bos=None, seed=0)
+    swept = clean.swept
     assert swept == model.config.vocab_size
     with torch.no_grad():
         model.transformer.wte.weight[11] *= 1e3
-    found, _ = mine(model, Mining(of=1), text, bos=None, seed=0)
-    assert 11 in found and 11 not in clean
+    found = mine(model, Mining(of=1), text, bos=None, seed=0)
+    assert 11 in found.repeated and 11 not in clean.repeated and found.random == []
     halves = [mine(model, Mining(of=1), text, bos=None, seed=0, rank=r, world=2) for r in range(2)]
-    assert sorted(halves[0][0] + halves[1][0]) == sorted(found) and halves[0][1] + halves[1][1] == swept
+    assert sorted(halves[0].ids + halves[1].ids) == sorted(found.ids) and halves[0].swept + halves[1].swept == swept
+
+
+def test_the_random_sweep_mines_the_first_id_that_overflows_among_random_ids(run_config):
+    """An id made to run away (a huge embedding row) is the first overflowing token of its random row;
+    the tokens after it, which attend to it, are not mined in its place."""
+    from lnfree.models.base import load_base
+
+    model, _ = load_base(run_config().model)
+    text = torch.randint(0, model.config.vocab_size, (4, 16))
+    clean = mine(model, Mining(of=1, random=True, random_context=16), text, bos=None, seed=0)
+    with torch.no_grad():
+        model.transformer.wte.weight[11] *= 1e3
+    found = mine(model, Mining(of=1, random=True, random_context=16), text, bos=None, seed=0)
+    assert 11 not in clean.random and found.random[:1] == [11] and found.ids.count(11) == 1
+    assert set(found.random) - set(clean.random) == {11}
+
+
+def test_the_random_rows_are_not_the_stress_sweeps_rows():
+    """Mining's order of a part is its own, so a run that replays what it mines never trains on the rows that
+    `lnfree stress` measures (which cut the same seed's permutation of the vocabulary in order)."""
+    ids = vocabulary_part(1000, [0], 1, seed=0)
+    mined, stress = random_rows(random_order(ids, seed=0), 16, bos=3), sweep_sequences(1000, 16, bos=3, n_ids=None, seed=0)
+    assert mined.shape == stress.shape and set(mined[:, 1:].flatten().tolist()) == set(range(1000))
+    shared = {tuple(r) for r in mined[:, 1:].tolist()} & {tuple(r) for r in stress[:, 1:].tolist()}
+    assert not shared
 
 
 def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_resume(run_config):
     cov = {"rows": 2, "ratio": 1.2, "start": 0, "max_grad_share": 0.3}
-    mining = {**cov, "start": 4, "repeated_share": 1.0, "replay_share": 1.0, "mine": {"of": 2, "part": 1}}
+    mining = {**cov, "start": 4, "repeated_share": 1.0, "replay_share": 1.0,
+              "mine": {"of": 2, "part": 1, "random": True, "random_context": 8}}
     config = with_overrides(run_config(max_steps=12, save_every=6), {
         "train.coverage": [cov, mining], "train.distill_alpha": 0.5, "train.eval_every": 0})
     out = run(config, progress=False).output_dir
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     mines = [r for r in lines if r.get("event") == "mine"]
     vocab = json.loads((out / "checkpoints" / "step_000006" / "config.json").read_text())["vocab_size"]
-    assert len(mines) == 1 and mines[0]["step"] == 4
+    assert len(mines) == 1 and mines[0]["step"] == 4 and "random_rows_overflow" in mines[0]
     assert mines[0]["swept"] == len(vocabulary_part(vocab, [1], 2, seed=config.train.seed))
     found = json.loads((out / "mined_ids.json").read_text())
     assert list(found) == ["4"] and len(found["4"]) == mines[0]["overflow"]

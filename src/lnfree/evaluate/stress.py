@@ -35,7 +35,7 @@ from lnfree.data.documents import bos_token, prepare_data, tokenizer_fingerprint
 from lnfree.evaluate.datasets import EvalError, load_sequences, resolve_dataset
 from lnfree.evaluate.models import load_models, resolve_device
 from lnfree.removal.mining import (  # noqa: F401 (stress's API too)
-    OVERFLOW_RATIO, repeated_sequences, residual_norms, residual_stream,
+    OVERFLOW_RATIO, random_rows, repeated_sequences, residual_norms, residual_stream,
 )
 
 #: A token whose cross-entropy exceeds this (nats) counts as a failure on real text.
@@ -131,15 +131,7 @@ def sweep_sequences(vocab_size: int, context: int, bos: int | None, n_ids: int |
     """Every id (or a seeded sample of `n_ids`) once, in seeded random order, cut into rows of
     `context` tokens after BOS; the last row is filled up with ids from the start of the order."""
     order = np.random.default_rng(seed).permutation(vocab_size)
-    if n_ids is not None:
-        order = order[:n_ids]
-    width = context - (bos is not None)
-    rows = -(-len(order) // width)
-    filled = np.resize(order, rows * width).reshape(rows, width)
-    ids = torch.as_tensor(filled, dtype=torch.long)
-    if bos is not None:
-        ids = torch.cat([torch.full((rows, 1), bos, dtype=torch.long), ids], dim=1)
-    return ids
+    return random_rows(order if n_ids is None else order[:n_ids], context, bos)
 
 
 # ----------------------------------------------------------------------------------------------

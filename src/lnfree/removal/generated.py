@@ -56,12 +56,14 @@ def mine_if_due(config: RunConfig, accelerator: Accelerator, data: TokenData, mi
     if guarded:
         set_ceiling(bare, math.inf)
     text = data.eval_batch(config.data.eval_sequences)
-    ids, swept = mine(bare, coverage.mine, text, bos=data.bos_token_id, seed=config.train.seed,
-                      rank=accelerator.process_index, world=accelerator.num_processes, bf16=bf16)
+    found = mine(bare, coverage.mine, text, bos=data.bos_token_id, seed=config.train.seed,
+                 rank=accelerator.process_index, world=accelerator.num_processes, bf16=bf16)
     if guarded:
         set_ceiling(bare, ceiling_now)
-    ids = gather_object(ids) if accelerator.num_processes > 1 else ids
+    gather = gather_object if accelerator.num_processes > 1 else list
+    ids, random = list(dict.fromkeys(gather(found.ids))), gather(found.random)
     mined.add(coverage.start, ids, write=accelerator.is_main_process)
     log({"event": "mine", "step": step, "part": coverage.mine.part, "of": coverage.mine.of,
-         "swept": swept * accelerator.num_processes, "overflow": len(ids),
+         "swept": found.swept * accelerator.num_processes, "overflow": len(ids),
+         **({"random_rows_overflow": len(random)} if coverage.mine.random else {}),
          "cpu_seconds": round(time.process_time() - started, 1)})

@@ -9,6 +9,12 @@ its forward) and records per id its largest residual norm over the model's *enve
 largest norm it reaches on real text; inf where a value is non-finite). An id overflows above
 `OVERFLOW_RATIO`, as in `lnfree stress`.
 
+An id can also run away among other ids without doing so when repeated (Gemma 3 270M's LN-free model of
+the one-command run: place names such as ' Toronto' and ' Zürich' in random rows, through neurons that
+fire 5-30× their range on them in the original; `experiments/robust/sweep_neurons.py`). `Mining.random`
+adds a sweep of the part in rows of random ids, each id once, as `lnfree stress`'s vocabulary sweep but
+in an order of its own: each row that overflows gives the id of its first overflowing token.
+
 During a removal, `train.coverage.mine` (`Mining`) runs such a sweep when its coverage setting starts
 and replays the ids it finds (`lnfree.removal.losses.coverage`); `experiments/robust/mine_repeated.py`
 runs it on a saved model.
@@ -20,6 +26,7 @@ import json
 import math
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +38,10 @@ from lnfree.arch import architecture
 OVERFLOW_RATIO = 10.0
 #: Tokens per swept row (BOS included): long enough for the runaways seen at 64 tokens.
 SWEEP_CONTEXT = 8
+#: Tokens per row of random ids (BOS included), as `lnfree stress`'s default context.
+RANDOM_CONTEXT = 64
+#: Mixes into the seed of the random rows' order, so that they are never `lnfree stress`'s sweep rows.
+_RANDOM_STREAM = 104729
 
 
 class Mining(BaseModel):
@@ -41,6 +52,9 @@ class Mining(BaseModel):
     of: int = Field(4, ge=1, description="the vocabulary cut into this many parts (a permutation seeded by train.seed)")
     context: int = Field(SWEEP_CONTEXT, ge=2, description="tokens per swept row, BOS included")
     batch_size: int = Field(256, ge=1, description="rows per forward pass")
+    random: bool = Field(False, description="also sweep the part in rows of random ids (each id once, in an order "
+                         "seeded apart from lnfree stress's sweep): the first overflowing id of each row is mined too")
+    random_context: int = Field(RANDOM_CONTEXT, ge=2, description="tokens per row of random ids, BOS included")
 
     @model_validator(mode="after")
     def _part_of_the_parts(self):
@@ -84,6 +98,16 @@ def repeated_sequences(ids: np.ndarray, context: int, bos: int | None) -> torch.
     return rows
 
 
+def random_rows(order: np.ndarray, context: int, bos: int | None) -> torch.Tensor:
+    """The ids of `order` cut into rows of `context` tokens after BOS (if any), the last row filled up with
+    ids from the start of the order."""
+    width = context - (bos is not None)
+    rows = torch.as_tensor(np.resize(order, -(-len(order) // width) * width).reshape(-1, width), dtype=torch.long)
+    if bos is not None:
+        rows = torch.cat([torch.full((len(rows), 1), bos, dtype=torch.long), rows], dim=1)
+    return rows
+
+
 def vocabulary_part(vocab_size: int, parts: list[int], of: int, seed: int) -> np.ndarray:
     """Parts `parts` of a seeded permutation of the vocabulary cut into `of` near-equal parts."""
     if not all(0 <= k < of for k in parts):
@@ -115,6 +139,26 @@ def repeated_sweep(model: torch.nn.Module, ids: torch.Tensor, limits: torch.Tens
     return torch.cat(worst) if worst else torch.zeros(0)
 
 
+def random_order(ids: np.ndarray, seed: int) -> np.ndarray:
+    """`ids` shuffled by `seed` in a stream of their own (never `lnfree stress`'s order for the same seed)."""
+    return np.random.default_rng([seed, _RANDOM_STREAM]).permutation(ids)
+
+
+def random_sweep(model: torch.nn.Module, ids: np.ndarray, limits: torch.Tensor, *, bos: int | None, seed: int,
+                 context: int = RANDOM_CONTEXT, batch_size: int = 256, bf16: bool = False) -> list[int]:
+    """The ids of `ids` that first overflow in their row, one per overflowing row (worst row first), when
+    they are shuffled by `seed` (apart from `lnfree stress`'s order) and cut into rows of random ids."""
+    rows = random_rows(random_order(ids, seed), context, bos)
+    found: list[tuple[float, int]] = []
+    for batch in rows.split(max(1, batch_size * SWEEP_CONTEXT // context)):
+        ratio = (_norms(model, batch, bf16) / limits.clamp_min(1e-30)[:, None, None]).amax(dim=0)  # (rows, T)
+        over = ratio > OVERFLOW_RATIO
+        bad = over.any(dim=1)
+        first, worst = over[bad].float().argmax(dim=1), ratio[bad].amax(dim=1)
+        found += [(float(w), int(row[f])) for row, f, w in zip(batch[bad], first, worst)]
+    return list(dict.fromkeys(i for _, i in sorted(found, key=lambda f: -f[0])))
+
+
 def _norms(model: torch.nn.Module, rows: torch.Tensor, bf16: bool) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
@@ -122,9 +166,22 @@ def _norms(model: torch.nn.Module, rows: torch.Tensor, bf16: bool) -> torch.Tens
     return residual_norms(stream)
 
 
+class Found(NamedTuple):
+    """What one process's sweep of a part found."""
+
+    repeated: list[int]  # ids that overflow when repeated, worst first
+    random: list[int]  # the first overflowing id of each row of random ids that overflows (`Mining.random`)
+    swept: int  # ids this process swept
+
+    @property
+    def ids(self) -> list[int]:
+        """Every id found, once: the repeated ones first."""
+        return list(dict.fromkeys(self.repeated + self.random))
+
+
 def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int | None, seed: int,
-         rank: int = 0, world: int = 1, bf16: bool = False) -> tuple[list[int], int]:
-    """(the ids of `mining`'s part that overflow when repeated, worst first; how many this process swept):
+         rank: int = 0, world: int = 1, bf16: bool = False) -> Found:
+    """The ids of `mining`'s part that overflow when repeated (and, with `mining.random`, among random ids):
     this process's share (every `world`-th id from `rank`) against the envelope of the real-text rows
     `text`, in eval mode and without gradients."""
     was_training = model.training
@@ -134,10 +191,12 @@ def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int
         ids = vocabulary_part(int(model.config.vocab_size), [mining.part], mining.of, seed)[rank::world]
         ratio = repeated_sweep(model, torch.from_numpy(ids), limits, bos=bos, context=mining.context,
                                batch_size=mining.batch_size, bf16=bf16)
+        random = random_sweep(model, ids, limits, bos=bos, seed=seed, context=mining.random_context,
+                              batch_size=mining.batch_size, bf16=bf16) if mining.random else []
     finally:
         model.train(was_training)
     order = np.argsort(-ratio.numpy(), kind="stable")
-    return [int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO], len(ids)
+    return Found([int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO], random, len(ids))
 
 
 class MinedIds:

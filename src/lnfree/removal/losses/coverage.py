@@ -22,7 +22,8 @@ found by a short sweep over the whole vocabulary
 (`lnfree.removal.mining`, `experiments/robust/mine_repeated.py`). `replay` lists such ids: a share
 `replay_share` of the repeated rows then repeats one of them instead of a uniform id. With `mine`, the run
 itself sweeps a part of the vocabulary when the setting starts and replays what it finds (kept in the
-run folder's `mined_ids.json`). Like the other step-dependent losses, `train.coverage` may be a list of
+run folder's `mined_ids.json`); with `mine.random` it also sweeps the part in rows of random ids, and
+`replay_random` puts the replayed ids into a share of the random rows as well. Like the other step-dependent losses, `train.coverage` may be a list of
 settings by `start`, so a run can mine and replay from a later step on.
 """
 
@@ -41,6 +42,9 @@ from lnfree.removal.mining import Mining
 
 #: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
 _STREAM = 7919
+#: The share of a random row's positions that hold replayed ids (`Coverage.replay_random`): most of the
+#: row stays random context, as in the sweep that finds such ids.
+REPLAY_DENSITY = 1 / 8
 
 
 class Coverage(BaseModel):
@@ -61,6 +65,9 @@ class Coverage(BaseModel):
         None, description="ids to replay in the repeated rows: a list, or a JSON file whose `overflow` list holds "
         "them (experiments/robust/mine_repeated.py; read when the config is, so the run config keeps the ids)")
     replay_share: float = Field(0.5, ge=0, le=1, description="share of the repeated rows that repeat a `replay` id")
+    replay_random: float = Field(0.0, ge=0, le=1, description="share of the random rows that carry `replay` ids too, "
+                                 f"each of their positions one with probability {REPLAY_DENSITY:g} (ids that run away among "
+                                 "other ids: `mine.random`)")
     no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
                                 "family that reads one; its first token is then the row's own id): users who "
                                 "tokenise without special tokens feed such input")
@@ -94,6 +101,9 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
                 row[:] = rng.integers(0, vocab_size)
         else:
             row[:] = rng.integers(0, vocab_size, context)
+            if replay and coverage.replay_random > 0 and rng.random() < coverage.replay_random:
+                spots = rng.random(context) < REPLAY_DENSITY
+                row[spots] = np.asarray(replay)[rng.integers(0, len(replay), int(spots.sum()))]
     if bos is not None:
         with_bos = rng.random(len(rows)) >= coverage.no_bos_share if coverage.no_bos_share > 0 else slice(None)
         rows[with_bos, 0] = bos
