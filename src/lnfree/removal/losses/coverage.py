@@ -23,8 +23,9 @@ found by a short sweep over the whole vocabulary
 `replay_share` of the repeated rows then repeats one of them instead of a uniform id. With `mine`, the run
 itself sweeps a part of the vocabulary when the setting starts and replays what it finds (kept in the
 run folder's `mined_ids.json`); with `mine.random` it also sweeps the part in rows of random ids, and
-`replay_random` puts the replayed ids into a share of the random rows as well. Like the other step-dependent losses, `train.coverage` may be a list of
-settings by `start`, so a run can mine and replay from a later step on.
+`replay_random` puts the replayed ids into a share of the random rows as well. Like the other
+step-dependent losses, `train.coverage` may be a list of settings by `start`, so a run can mine and
+replay from a later step on.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class Coverage(BaseModel):
         None, description="ids to replay in the repeated rows: a list, or a JSON file whose `overflow` list holds "
         "them (experiments/robust/mine_repeated.py; read when the config is, so the run config keeps the ids)")
     replay_share: float = Field(0.5, ge=0, le=1, description="share of the repeated rows that repeat a `replay` id")
-    replay_random: float = Field(0.0, ge=0, le=1, description="share of the random rows that carry `replay` ids too, "
-                                 f"each of their positions one with probability {REPLAY_DENSITY:g} (ids that run away among "
-                                 "other ids: `mine.random`)")
+    replay_random: float = Field(0.0, ge=0, le=1, description="share of the random rows that carry `replay` ids "
+                                 f"too, each of their positions one with probability {REPLAY_DENSITY:g} (ids that "
+                                 "run away among other ids: `mine.random`)")
     no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
                                 "family that reads one; its first token is then the row's own id): users who "
                                 "tokenise without special tokens feed such input")
