@@ -71,16 +71,19 @@ def table(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[
     return lines
 
 
-def windows(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[dict]]], edges: list[int]) -> list[str]:
+def windows(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], list[dict]]],
+            edges: list[int]) -> list[str]:
     """Per window (a, b] of `edges`, each arm's mean gap to the control over the evaluations in it (single
     evaluations of 64 sequences swing by several hundredths of a nat; a window's mean by less)."""
     names = list(arms)
-    lines = ["| steps | evaluations | " + " | ".join(f"{n}: mean gap" for n in names) + " |", "|" + "---|" * (len(names) + 2)]
+    lines = ["| steps | evaluations | " + " | ".join(f"{n}: mean gap" for n in names) + " |",
+             "|" + "---|" * (len(names) + 2)]
     for a, b in zip(edges, edges[1:]):
         steps = [s for s in control if a < s <= b and all(s in arms[n][0] for n in names)]
         if not steps:
             continue
-        gaps = [sum(arms[n][0][s]["held_out_ce"] - control[s]["held_out_ce"] for s in steps) / len(steps) for n in names]
+        gaps = [sum(arms[n][0][s]["held_out_ce"] - control[s]["held_out_ce"] for s in steps) / len(steps)
+                for n in names]
         lines.append(f"| {a + 1}–{b} | {len(steps)} | " + " | ".join(f"{g:+.3f}" for g in gaps) + " |")
     return lines
 

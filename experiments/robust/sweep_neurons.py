@@ -65,7 +65,6 @@ def main() -> None:
     worst = [w for w in record["worst"] if w["part"] == "vocab"]
     if not worst:
         raise SystemExit(f"{args.stress} lists no overflowing token of the vocabulary sweep")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     loaded = load_models([args.model], ["model"], form="hf", dtype="fp32")[0]
     model, tokenizer = loaded.module, loaded.tokenizer
     context, seed = info.get("context", 64), info.get("seed", 0)
