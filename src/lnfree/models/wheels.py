@@ -112,6 +112,7 @@ def wheel_model_folder(name: str) -> str:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
+    folder.mkdir(parents=True, exist_ok=True)  # a one-file model (SmolLM2) joined nothing into it
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix="dequantised."))  # this process's own (see `_joined`)
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
