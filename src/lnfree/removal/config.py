@@ -16,6 +16,7 @@ from lnfree.removal.losses.coverage import Coverage
 from lnfree.removal.losses.margin import StabilityMargin
 from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
 from lnfree.removal.losses.gain import NeuronGain
+from lnfree.removal.losses.growth import LocalGrowth
 from lnfree.removal.losses.neuron_range import NeuronRange
 from lnfree.removal.losses.position0_mlp import Position0Mlp
 from lnfree.removal.schedule import Adaptive, Schedule
@@ -33,7 +34,7 @@ class _Strict(BaseModel):
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
 STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "neuron_gain", "stability_margin",
-               "coverage")
+               "coverage", "local_growth")
 
 
 class LearningRateRestart(_Strict):
@@ -119,6 +120,10 @@ class TrainConfig(_Strict):
     stability_margin: StabilityMargin | list[StabilityMargin] | None = Field(
         None, description="in a forward of its own over a few of each micro-batch's sequences, one token's residual "
         "scaled up at one block and its growth downstream hinged (lnfree.removal.losses.margin); None is off"
+    )
+    local_growth: LocalGrowth | list[LocalGrowth] | None = Field(
+        None, description="a hinge on each MLP sublayer's growth factor for a token scaled by `factor` (its norms "
+        "as fixed, every block, a few tokens of each micro-batch; lnfree.removal.losses.growth); None is off"
     )
     coverage: Coverage | list[Coverage] | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "

@@ -1,7 +1,8 @@
 """The loss a run trains on, one micro-batch at a time.
 
     loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
-           + w_mlp0(step)·mlp0 + w_range(step)·range + w_gain(step)·gain  [+ w_margin(step)·margin, its own forward]
+           + w_mlp0(step)·mlp0 + w_range(step)·range + w_gain(step)·gain + w_growth(step)·growth
+           [+ w_margin(step)·margin, its own forward]
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
@@ -11,7 +12,8 @@ alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towa
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
 its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); gain bounds every MLP
 neuron's gain in weight space, the same on every micro-batch (`train.neuron_gain`,
-`lnfree.removal.losses.gain`); margin, in forwards of
+`lnfree.removal.losses.gain`); growth hinges each MLP sublayer's growth factor for a token scaled up, every
+block, on a few of the micro-batch's tokens (`train.local_growth`, `lnfree.removal.losses.growth`); margin, in forwards of
 its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one
 token's residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With
 `train.coverage` (`lnfree.removal.losses.coverage`) each
@@ -48,16 +50,17 @@ from lnfree.removal.losses.massive import (
     weighted_inputs,
 )
 from lnfree.removal.losses.gain import GainWeights, neuron_gain_loss, project_gains
+from lnfree.removal.losses.growth import MlpSublayers, local_growth_loss
 from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "gain", "margin", "margin_share",
-         "cov_kl", "cov_tail", "cov_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "margin",
+         "margin_share", "cov_kl", "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
-         "gain": "neuron_gain", "margin": "stability_margin"}
+         "gain": "neuron_gain", "margin": "stability_margin", "growth": "local_growth"}
 
 
 class LnfInput:
@@ -109,8 +112,9 @@ class Objective:
         self.neuron_activations = NeuronActivations(model) if train.neuron_range is not None else None
         self.neuron_ranges: list[torch.Tensor] | None = None  # set by the run from the teacher (`neuron_ranges`)
         self.gain_weights = GainWeights(model) if train.neuron_gain is not None else None
-        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations)
-                         if hooks is not None]
+        self.sublayers = MlpSublayers(model) if train.local_growth is not None else None
+        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations,
+                                             self.sublayers) if hooks is not None]
         for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
             hooks.active = False
 
@@ -122,7 +126,7 @@ class Objective:
         """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
-        tail, tail0, mlp0, bounds, gain_bound, _ = tails  # the margin has a forward of its own (`margin`)
+        tail, tail0, mlp0, bounds, gain_bound, _, growth_on = tails  # the margin has a forward of its own (`margin`)
         alpha = train.distill_alpha
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
@@ -160,12 +164,19 @@ class Objective:
         gain = torch.zeros_like(ce)
         if gain_bound is not None:
             gain = neuron_gain_loss(self.gain_weights.gains(), gain_bound.ratio)
-        weights = [0.0 if t is None else t.weight for t in tails[:5]]
+        growth = torch.zeros_like(ce)
+        if self.sublayers is not None:
+            inputs = self.sublayers.take()
+            if growth_on is not None and growth_on.weight > 0:
+                with self.autocast():
+                    growth = local_growth_loss(self.sublayers, inputs, growth_on)
+        weights = [0.0 if t is None else t.weight for t in (*tails[:5], growth_on)]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond
-                + weights[4] * gain)
+                + weights[4] * gain + weights[5] * growth)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, gain, zero, zero, zero, zero, zero)
+        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, gain, growth,
+                 zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def after_step(self, step: int) -> None:

@@ -1,0 +1,161 @@
+"""How much does one gated MLP sublayer amplify a token that arrives too large? The local growth factor.
+
+    python experiments/robust/local_growth.py MODEL [--factor 2 --factor 4] --out DIR
+
+MODEL is a name (smollm2-135m, gemma3-270m: every norm real, σ measured on held-out realtext), or a run or
+checkpoint folder (its norms as saved). The residuals are those of the model's own forward; each block's MLP
+sublayer is then evaluated with its norms fixed (those still real switched to their σ for that evaluation
+only, so a block is measured as it will be once fixed, on the residuals it sees now, without the chain of the
+blocks below). For every block and every real-text token t (position 0 aside), with h the residual entering the
+MLP sublayer and M(h) what the sublayer adds (its input norm, the MLP, its output norm where the family has one):
+
+    r_c = |c·h + M(c·h)| / (c·|h + M(h)|),    g_c = 1 + log(r_c) / log(c)
+
+g_c is the factor by which the sublayer multiplies a token's log-excess of scale log(c): 1 for a sublayer that
+passes a scaled token on scaled (a GELU MLP behind a fixed norm, which is about 1-homogeneous), below 1 with a
+real norm (it adds a fixed-size output to a larger stream), above 1 for a gated MLP behind a fixed norm (its
+output grows with c²). A chain of blocks with g > 1 compounds a small excess into an overflow: the log-excess of
+the traced SmolLM2 runaway words grew about 1.4× a block (experiments/results/smollm2-135m/README.md). Writes
+growth.json and tables.md (median, 90th and 99th percentile and maximum of g_c over tokens, per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from lnfree.arch import architecture
+from lnfree.data.documents import bos_token, prepare_data
+from lnfree.evaluate import load_models
+from lnfree.fixedscale import surgery
+from lnfree.models.base import load_base
+from lnfree.removal.config import DataConfig
+
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def sublayer_modules(model) -> list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None, list[str]]]:
+    """Per block: (MLP-input norm, MLP, MLP-output norm or None, the slots of those norms)."""
+    arch = architecture(model)
+    by_stage = {(site.stage, site.layer): site for site in arch.sites()}
+    blocks = []
+    for i in range(arch.n_layers):
+        pre, post = by_stage[("ln_2", i)], by_stage.get(("post_mlp", i))
+        slots = [*pre.slots, *(post.slots if post is not None else ())]
+        blocks.append((model.get_submodule(pre.module), model.get_submodule(arch.block(i, arch.mlp)),
+                       None if post is None else model.get_submodule(post.module), slots))
+    return blocks
+
+
+@contextlib.contextmanager
+def fixed(states: list):
+    """Within: these scale states divide by their σ (those real or blending put back on exit)."""
+    saved = [(s.mix.clone(), s.fixed.clone(), s.is_fixed, s.is_blending) for s in states]
+    for s in states:
+        s.set_fixed_fraction(1.0)
+    try:
+        yield
+    finally:
+        for s, (mix, was_fixed, is_fixed, is_blending) in zip(states, saved):
+            s.mix.copy_(mix)
+            s.fixed.copy_(was_fixed)
+            s.is_fixed, s.is_blending = is_fixed, is_blending
+
+
+@torch.no_grad()
+def local_growth(model, ids: torch.Tensor, factors: list[float]) -> dict:
+    """{factor: per block, g_c of every token after the first, the block's MLP sublayer fixed}."""
+    blocks = sublayer_modules(model)
+    states = surgery.scale_states(model)
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [pre.register_forward_pre_hook(lambda module, args, i=i: inputs.__setitem__(i, args[0].detach()))
+             for i, (pre, *_rest) in enumerate(blocks)]
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    def added(i: int, h: torch.Tensor) -> torch.Tensor:
+        pre, mlp, post, slots = blocks[i]
+        with fixed([states[slot] for slot in slots]):
+            out = mlp(pre(h))
+            return out if post is None else post(out)
+
+    result = {}
+    for c in factors:
+        per_block = []
+        for i in range(len(blocks)):
+            h = inputs[i].float()
+            base = (h + added(i, h)).norm(dim=-1)
+            scaled = (c * h + added(i, c * h)).norm(dim=-1)
+            g = 1 + torch.log(scaled / (c * base)) / math.log(c)
+            per_block.append(g[:, 1:].flatten().nan_to_num(nan=math.inf))
+        result[c] = per_block
+    return result
+
+
+def summarise(g: torch.Tensor) -> dict:
+    """Quantiles and maximum of one block's growth factors."""
+    finite = g[g.isfinite()]
+    out = {f"q{int(q * 100)}": float(finite.quantile(q)) for q in QUANTILES}
+    out.update(max=float(g.max()), over_1_5=float((g > 1.5).float().mean()), tokens=int(g.numel()))
+    return out
+
+
+def load(name: str, n_sequences: int):
+    """(the model, its scored ids, a description): a named base model (every norm real, σ measured on held-out
+    text), or a run or checkpoint with its norms as saved."""
+    if Path(name).exists():
+        loaded = load_models([name], ["model"], form="hf", dtype="fp32")[0]
+        model, tokenizer = loaded.module, loaded.tokenizer
+        if not surgery.is_installed(model):
+            raise SystemExit(f"{name} has no lnfree norms to measure (an export: load its run or checkpoint)")
+        described = f"{name} (norms as saved)"
+    else:
+        model, tokenizer = load_base(name)
+        described = None
+    model.eval()
+    data = prepare_data(DataConfig(source="realtext", context_length=64, eval_sequences=2 * n_sequences),
+                        tokenizer, 64, model.config.vocab_size, bos_token(model, tokenizer))
+    tokens = data.eval_batch(2 * n_sequences)
+    if described is None:
+        surgery.install(model)
+        surgery.initialise_sigmas(model, tokens[:n_sequences].split(4))
+        described = f"{name} (the original, σ measured on {n_sequences} held-out sequences)"
+    return model, tokens[n_sequences:], described
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--factor", action="append", type=float, default=None, help="c (default 2 and 4)")
+    parser.add_argument("--n-sequences", type=int, default=8, help="sequences for σ, and as many measured")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    factors = args.factor or [2.0, 4.0]
+    model, ids, described = load(args.model, args.n_sequences)
+    growth = local_growth(model, ids, factors)
+    rows = {str(c): [summarise(g) for g in blocks] for c, blocks in growth.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "growth.json").write_text(json.dumps({"model": described, "tokens": int(ids[:, 1:].numel()),
+                                                       "factors": factors, "blocks": rows}, indent=1))
+    lines = [f"# Local growth factor g_c of each MLP sublayer: {described}", "",
+             f"{int(ids[:, 1:].numel())} held-out tokens (position 0 aside). g_c = 1 + log(r_c) / log(c), r_c = "
+             "|c·h + M(c·h)| / (c·|h + M(h)|): 1 passes a scaled token on scaled, above 1 amplifies its excess.", ""]
+    for c, blocks in rows.items():
+        lines += [f"## c = {c}", "", "| block | median | p90 | p99 | max | share > 1.5 |", "|---|---|---|---|---|---|"]
+        lines += [f"| {i} | {r['q50']:.3f} | {r['q90']:.3f} | {r['q99']:.3f} | {r['max']:.3g} | {r['over_1_5']:.3f} |"
+                  for i, r in enumerate(blocks)]
+        lines.append("")
+    (args.out / "tables.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
