@@ -1,6 +1,6 @@
 """How much does one gated MLP sublayer amplify a token that arrives too large? The local growth factor.
 
-    python experiments/robust/local_growth.py MODEL [--factor 2 --factor 4] --out DIR
+    python experiments/robust/local_growth.py MODEL [--factor 2 --factor 4] [--random-rows N] --out DIR
 
 MODEL is a name (smollm2-135m, gemma3-270m: every norm real, σ measured on held-out realtext), or a run or
 checkpoint folder (its norms as saved). The residuals are those of the model's own forward; each block's MLP
@@ -17,6 +17,9 @@ real norm (it adds a fixed-size output to a larger stream), above 1 for a gated 
 output grows with c²). A chain of blocks with g > 1 compounds a small excess into an overflow: the log-excess of
 the traced SmolLM2 runaway words grew about 1.4× a block (experiments/results/smollm2-135m/README.md). Writes
 growth.json and tables.md (median, 90th and 99th percentile and maximum of g_c over tokens, per block).
+With --random-rows N the tokens measured are N rows of random ids instead (BOS first where the family reads one,
+seeded; as `lnfree stress`'s vocabulary sweep): rare ids in random contexts are where a trained LN-free Gemma
+still runs away. Tokens whose residual is already non-finite count as +inf.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lnfree.arch import architecture
@@ -35,6 +39,7 @@ from lnfree.evaluate import load_models
 from lnfree.fixedscale import surgery
 from lnfree.models.base import load_base
 from lnfree.removal.config import DataConfig
+from lnfree.removal.mining import random_rows
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -103,12 +108,12 @@ def local_growth(model, ids: torch.Tensor, factors: list[float]) -> dict:
 def summarise(g: torch.Tensor) -> dict:
     """Quantiles and maximum of one block's growth factors."""
     finite = g[g.isfinite()]
-    out = {f"q{int(q * 100)}": float(finite.quantile(q)) for q in QUANTILES}
+    out = {f"q{int(q * 100)}": float(finite.quantile(q)) if finite.numel() else math.inf for q in QUANTILES}
     out.update(max=float(g.max()), over_1_5=float((g > 1.5).float().mean()), tokens=int(g.numel()))
     return out
 
 
-def load(name: str, n_sequences: int):
+def load(name: str, n_sequences: int, random: int = 0):
     """(the model, its scored ids, a description): a named base model (every norm real, σ measured on held-out
     text), or a run or checkpoint with its norms as saved."""
     if Path(name).exists():
@@ -128,6 +133,10 @@ def load(name: str, n_sequences: int):
         surgery.install(model)
         surgery.initialise_sigmas(model, tokens[:n_sequences].split(4))
         described = f"{name} (the original, σ measured on {n_sequences} held-out sequences)"
+    if random:
+        bos = bos_token(model, tokenizer)
+        order = np.random.default_rng(0).permutation(model.config.vocab_size)[: random * (64 - (bos is not None))]
+        return model, random_rows(order, 64, bos), described + f"; {random} rows of random ids"
     return model, tokens[n_sequences:], described
 
 
@@ -136,17 +145,18 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--factor", action="append", type=float, default=None, help="c (default 2 and 4)")
     parser.add_argument("--n-sequences", type=int, default=8, help="sequences for σ, and as many measured")
+    parser.add_argument("--random-rows", type=int, default=0, help="measure N rows of random ids instead of text")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     factors = args.factor or [2.0, 4.0]
-    model, ids, described = load(args.model, args.n_sequences)
+    model, ids, described = load(args.model, args.n_sequences, args.random_rows)
     growth = local_growth(model, ids, factors)
     rows = {str(c): [summarise(g) for g in blocks] for c, blocks in growth.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "growth.json").write_text(json.dumps({"model": described, "tokens": int(ids[:, 1:].numel()),
                                                        "factors": factors, "blocks": rows}, indent=1))
     lines = [f"# Local growth factor g_c of each MLP sublayer: {described}", "",
-             f"{int(ids[:, 1:].numel())} held-out tokens (position 0 aside). g_c = 1 + log(r_c) / log(c), r_c = "
+             f"{int(ids[:, 1:].numel())} tokens (position 0 aside). g_c = 1 + log(r_c) / log(c), r_c = "
              "|c·h + M(c·h)| / (c·|h + M(h)|): 1 passes a scaled token on scaled, above 1 amplifies its excess.", ""]
     for c, blocks in rows.items():
         lines += [f"## c = {c}", "", "| block | median | p90 | p99 | max | share > 1.5 |", "|---|---|---|---|---|---|"]
