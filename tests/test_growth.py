@@ -14,7 +14,7 @@ from test_margin import fixed, planted, planted_folder
 
 from lnfree.arch import architecture
 from lnfree.fixedscale import surgery
-from lnfree.removal.config import TrainConfig
+from lnfree.removal.config import TrainConfig, with_overrides
 from lnfree.removal.losses.growth import LocalGrowth, MlpSublayers, growth_factors, local_growth_loss, strided
 from lnfree.removal.losses.objective import TERMS, Objective
 from lnfree.removal.train import run
@@ -113,3 +113,6 @@ def test_a_run_with_the_hinge_logs_it_and_a_run_without_it_does_not(tmp_path):
     plain = quick_run_config(tmp_path / "plain", tmp_path / "model", tmp_path / "cache")
     logged = [json.loads(line) for line in (run(plain, progress=False).output_dir / "log.jsonl").read_text().splitlines()]
     assert not any("growth" in r for r in logged)
+    control = with_overrides(config, {"output_dir": str(tmp_path / "control"), "removal.mode": "vanilla"})
+    logged = [json.loads(line) for line in (run(control, progress=False).output_dir / "log.jsonl").read_text().splitlines()]
+    assert {r["growth"] for r in logged if "growth" in r} == {0.0}  # no σ to measure a real norm as fixed with

@@ -112,7 +112,9 @@ class Objective:
         self.neuron_activations = NeuronActivations(model) if train.neuron_range is not None else None
         self.neuron_ranges: list[torch.Tensor] | None = None  # set by the run from the teacher (`neuron_ranges`)
         self.gain_weights = GainWeights(model) if train.neuron_gain is not None else None
-        self.sublayers = MlpSublayers(model) if train.local_growth is not None else None
+        # a vanilla control has no σ to measure a sublayer as fixed with: the hinge is not computed there (0)
+        growing = train.local_growth is not None and surgery.is_installed(model)
+        self.sublayers = MlpSublayers(model) if growing else None
         self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations,
                                              self.sublayers) if hooks is not None]
         for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
