@@ -25,7 +25,6 @@ still runs away. Tokens whose residual is already non-finite count as +inf.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -33,76 +32,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lnfree.arch import architecture
 from lnfree.data.documents import bos_token, prepare_data
 from lnfree.evaluate import load_models
 from lnfree.fixedscale import surgery
 from lnfree.models.base import load_base
 from lnfree.removal.config import DataConfig
+from lnfree.removal.losses.growth import MlpSublayers, growth_factors
 from lnfree.removal.mining import random_rows
 
 QUANTILES = (0.5, 0.9, 0.99)
 
 
-def sublayer_modules(model) -> list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None, list[str]]]:
-    """Per block: (MLP-input norm, MLP, MLP-output norm or None, the slots of those norms)."""
-    arch = architecture(model)
-    by_stage = {(site.stage, site.layer): site for site in arch.sites()}
-    blocks = []
-    for i in range(arch.n_layers):
-        pre, post = by_stage[("ln_2", i)], by_stage.get(("post_mlp", i))
-        slots = [*pre.slots, *(post.slots if post is not None else ())]
-        blocks.append((model.get_submodule(pre.module), model.get_submodule(arch.block(i, arch.mlp)),
-                       None if post is None else model.get_submodule(post.module), slots))
-    return blocks
-
-
-@contextlib.contextmanager
-def fixed(states: list):
-    """Within: these scale states divide by their σ (those real or blending put back on exit)."""
-    saved = [(s.mix.clone(), s.fixed.clone(), s.is_fixed, s.is_blending) for s in states]
-    for s in states:
-        s.set_fixed_fraction(1.0)
-    try:
-        yield
-    finally:
-        for s, (mix, was_fixed, is_fixed, is_blending) in zip(states, saved):
-            s.mix.copy_(mix)
-            s.fixed.copy_(was_fixed)
-            s.is_fixed, s.is_blending = is_fixed, is_blending
-
-
 @torch.no_grad()
 def local_growth(model, ids: torch.Tensor, factors: list[float]) -> dict:
-    """{factor: per block, g_c of every token after the first, the block's MLP sublayer fixed}."""
-    blocks = sublayer_modules(model)
-    states = surgery.scale_states(model)
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [pre.register_forward_pre_hook(lambda module, args, i=i: inputs.__setitem__(i, args[0].detach()))
-             for i, (pre, *_rest) in enumerate(blocks)]
+    """{factor: per block, g_c of every token after the first, the block's MLP sublayer as fixed}."""
+    sublayers = MlpSublayers(model)
     try:
-        model(input_ids=ids, use_cache=False)
+        with sublayers.capturing():
+            model(input_ids=ids, use_cache=False)
+        inputs = sublayers.take()
     finally:
-        for hook in hooks:
-            hook.remove()
-
-    def added(i: int, h: torch.Tensor) -> torch.Tensor:
-        pre, mlp, post, slots = blocks[i]
-        with fixed([states[slot] for slot in slots]):
-            out = mlp(pre(h))
-            return out if post is None else post(out)
-
-    result = {}
-    for c in factors:
-        per_block = []
-        for i in range(len(blocks)):
-            h = inputs[i].float()
-            base = (h + added(i, h)).norm(dim=-1)
-            scaled = (c * h + added(i, c * h)).norm(dim=-1)
-            g = 1 + torch.log(scaled / (c * base)) / math.log(c)
-            per_block.append(g[:, 1:].flatten().nan_to_num(nan=math.inf))
-        result[c] = per_block
-    return result
+        sublayers.remove()
+    return {c: [growth_factors(sublayers, i, h[:, 1:].float(), c).flatten().nan_to_num(nan=math.inf)
+                for i, h in enumerate(inputs)] for c in factors}
 
 
 def summarise(g: torch.Tensor) -> dict:
