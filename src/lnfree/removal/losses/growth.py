@@ -8,7 +8,8 @@ scaled by c leaves the sublayer with
 
 the factor by which the sublayer multiplies the token's log-excess of scale log(c). A real norm makes M
 scale-invariant (g_c < 1: an excess shrinks), a GELU MLP behind a fixed norm is about 1-homogeneous (g_c ≈ 1:
-GPT-2's removals never run away), a gated MLP behind one grows with c² (g_c up to 2). Blocks with g_c above 1
+this project's LN-free GPT-2s stay bounded on every token id), a gated MLP behind one grows with c² (g_c up to
+about 2). Blocks with g_c above 1
 compound a small excess into an overflow: in SmolLM2-135M the original's g_2 has medians 1.06-1.15 in blocks
 1-11 (2.16 in block 0) and 1.00-1.03 in blocks 12-28, where every removal ran fine top-down and broke once
 blocks 12-9 were fixed (`experiments/robust/local_growth.py`, `experiments/results/smollm2-135m/`).
