@@ -1,7 +1,7 @@
 """Validation CE of removal arms against a matched vanilla control, evaluation by evaluation, from their logs.
 
-    python experiments/robust/gaps.py --control experiments/results/gemma3-270m/robust/vanilla/log.jsonl \
-        --arm recipe=experiments/results/gemma3-270m/robust/ln_free/log.jsonl \
+    python experiments/robust/gaps.py --control experiments/results/gemma3-270m/robust/first-run/vanilla/log.jsonl \
+        --arm recipe=experiments/results/gemma3-270m/robust/first-run/ln_free/log.jsonl \
         --arm per_head=experiments/results/gemma3-270m/robust/pilots/perhead-log.jsonl \
         --out experiments/results/gemma3-270m/robust/pilots/perhead-gaps.md
 

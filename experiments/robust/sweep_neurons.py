@@ -7,7 +7,7 @@ still bound every neuron) and reports, per token and block, the neuron with the 
 |activation| at the token over its largest |activation| at any other position of the row (position 0
 aside). Neurons that many overflowing tokens share are one mechanism, not many rare ids:
 
-    python experiments/robust/sweep_neurons.py --stress experiments/results/gemma3-270m/robust/stress/parts/ln_free.json \
+    python experiments/robust/sweep_neurons.py --stress experiments/results/gemma3-270m/robust/first-run/stress-part-ln_free.json \
         [--model gemma3-270m] [--min-gain 4] [--out FILE.md]
 """
 
