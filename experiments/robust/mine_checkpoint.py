@@ -5,7 +5,10 @@ envelope of the first validation sequences), on part K of N of the vocabulary, a
 their text, split by sweep (issue 37: do rows of random ids find what the repeated sweep misses?):
 
     python experiments/robust/mine_checkpoint.py CHECKPOINT [--part 0 --of 16] [--random] [--seed 0] \
-        [--dataset realtext-val] [--sequences 64] [--context 64] --out FILE.json
+        [--dataset realtext-val] [--sequences 64] [--context 64] [--repeated-context 8] --out FILE.json
+
+--repeated-context sets the repeated sweep's row length (a run's `mine.context`, 8 by default): runaways that need
+more repeats than that (slow growers) show only at a longer one.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
 from lnfree.evaluate.datasets import load_sequences, resolve_dataset
 from lnfree.fixedscale.ceiling import set_ceiling
-from lnfree.removal.mining import Mining, mine
+from lnfree.removal.mining import SWEEP_CONTEXT, Mining, mine
 
 
 def main() -> None:
@@ -34,7 +37,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the run's train.seed")
     parser.add_argument("--dataset", default="realtext-val", help="the text whose envelope bounds the residuals")
     parser.add_argument("--sequences", type=int, default=64, help="its first sequences (a run's data.eval_sequences)")
-    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--context", type=int, default=64, help="tokens per text and random-id row")
+    parser.add_argument("--repeated-context", type=int, default=SWEEP_CONTEXT, help="tokens per repeated row")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     loaded = load_models([args.model], ["model"], form="hf", dtype="fp32")[0]
@@ -45,10 +49,12 @@ def main() -> None:
                                            n_sequences=args.sequences, vocab_size=model.config.vocab_size,
                                            bos_token_id=bos))
     started = time.process_time()
-    found = mine(model, Mining(part=args.part, of=args.of, random=args.random, random_context=args.context), text,
-                 bos=bos, seed=args.seed, bf16=True)
+    mining = Mining(part=args.part, of=args.of, context=args.repeated_context, random=args.random,
+                    random_context=args.context)
+    found = mine(model, mining, text, bos=bos, seed=args.seed, bf16=True)
     named = lambda ids: [[i, tokenizer.decode([i])] for i in ids]  # noqa: E731
-    record = {"model": args.model, "part": args.part, "of": args.of, "seed": args.seed, "swept": found.swept,
+    record = {"model": args.model, "part": args.part, "of": args.of, "seed": args.seed,
+              "repeated_context": args.repeated_context, "swept": found.swept,
               "repeated": named(found.repeated), "random": named(found.random),
               "random_only": named([i for i in found.random if i not in set(found.repeated)]),
               "cpu_seconds": round(time.process_time() - started, 1)}

@@ -94,6 +94,12 @@ class TrainConfig(_Strict):
         0.0, ge=0, description="auxiliary loss on every norm input: mean over norms of mean over tokens of "
         "(per-token scale / typical scale − 1)², typical = the mean over tokens neither at position 0 nor EOT; 0 is off"
     )
+    head_scale_loss_weight: float = Field(
+        0.0, ge=0, description="the scale loss (`scale_loss_form`) at the per-head norms' inputs too (q_norm, "
+        "k_norm of Qwen3 and Gemma 3): per token and head, against the typical scale over every head of the norm "
+        "(one σ per norm). While such a norm is real its input's scale is free; fixed, a key's scale sets its "
+        "attention logits. 0 is off"
+    )
     scale_loss_form: Literal["relative", "log"] = Field(
         "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
     )

@@ -362,7 +362,8 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     (`form` "relative"), or of log(per-token scale / typical scale)² ("log", typical = the geometric mean).
 
     The scale is the norm's own (std for LayerNorm, RMS for RMSNorm); typical = its detached mean
-    over the tokens neither at position 0 nor EOT. Relative, so every norm counts alike whatever its
+    over the tokens neither at position 0 nor EOT (and over every head, for a per-head norm's input given as
+    (batch, positions, heads, head dim): one σ per norm). Relative, so every norm counts alike whatever its
     scale: it pulls outlier tokens (and position 0) towards the typical scale at every norm input,
     where the published auxiliary loss acts at the final norm only. The log form grows only with the
     log of a runaway token's scale, so one such token cannot swamp a clipped gradient.
@@ -482,8 +483,10 @@ def _scale_with_grad(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def typical_scale(scale: torch.Tensor, input_ids: torch.Tensor, eot_token_id: int) -> torch.Tensor:
-    """The detached mean of per-token `scale` (batch, positions) over the tokens neither at position 0
-    nor EOT: the target of the auxiliary losses (as in Baroni et al. 2025, arXiv 2507.02559)."""
+    """The detached mean of per-token `scale` (batch, positions, any further axes such as heads) over the
+    tokens neither at position 0 nor EOT: the target of the auxiliary losses (as in Baroni et al. 2025,
+    arXiv 2507.02559)."""
     typical = input_ids != eot_token_id
     typical[:, 0] = False
+    typical = typical.view(*typical.shape, *[1] * (scale.dim() - 2)).expand_as(scale)
     return ((scale * typical).sum() / typical.sum().clamp_min(1)).detach()

@@ -1,13 +1,15 @@
 """The loss a run trains on, one micro-batch at a time.
 
-    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_tail(step)·tail + w_pos0(step)·pos0
+    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_heads·head_scale + w_tail(step)·tail
+           + w_pos0(step)·pos0
            + w_mlp0(step)·mlp0 + w_range(step)·range + w_gain(step)·gain + w_growth(step)·growth
            [+ w_margin(step)·margin, its own forward]
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
 aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
 scale and tail do the same at every norm input (`lnfree.removal.losses.massive`: the spread of all tokens, and
-the hinge on the tokens above the `train.scale_tail` ratio × typical); pos0 is that hinge on position 0
+the hinge on the tokens above the `train.scale_tail` ratio × typical); head_scale is scale at the per-head norms'
+inputs, per token and head (`train.head_scale_loss_weight`); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
 its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); gain bounds every MLP
@@ -34,12 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lnfree.arch import architecture
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
 from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed, previewed
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.losses.massive import (
+    Captured,
     NormInputs,
     pieces,
     position0_log_gain,
@@ -56,7 +60,7 @@ from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "margin",
+TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "margin",
          "margin_share", "cov_kl", "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
@@ -72,6 +76,21 @@ class LnfInput:
 
     def _keep(self, module: nn.Module, args: tuple) -> None:
         self.value = args[0]
+
+
+class HeadNormInputs(Captured):
+    """Keeps every per-head norm's input (q_norm, k_norm) of the latest forward pass, as (batch, positions,
+    heads, head dim) whatever the family's layout: `scale_loss` then sees one scale per token and head."""
+
+    def __init__(self, model: nn.Module):
+        sites = [site for site in architecture(model).sites() if site.per_head]
+        super().__init__([model.get_submodule(site.module) for site in sites])
+        self.heads_axes = {module: site.heads_axis for module, site in zip(self.modules, sites, strict=True)}
+        self.handles = [module.register_forward_pre_hook(self.keep_input) for module in self.modules]
+
+    def take(self) -> list[torch.Tensor]:
+        inputs = super().take()
+        return [x.movedim(self.heads_axes[module], 2) for x, module in zip(inputs, self.sources, strict=True)]
 
 
 def auxiliary_loss(
@@ -104,6 +123,7 @@ class Objective:
                   or train.coverage is not None or train.stability_margin is not None)
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
         self.norm_inputs = NormInputs(model) if wanted else None
+        self.head_inputs = HeadNormInputs(model) if train.head_scale_loss_weight > 0 else None
         self.blocks = model.get_submodule(arch.layers)  # where `margin` perturbs the residual
         self.residual_reads = {model.get_submodule(site.module) for site in arch.sites()  # what `margin` hinges
                                if not site.per_head and not site.on_output}
@@ -115,8 +135,8 @@ class Objective:
         # a vanilla control has no σ to measure a sublayer as fixed with: the hinge is not computed there (0)
         growing = train.local_growth is not None and surgery.is_installed(model)
         self.sublayers = MlpSublayers(model) if growing else None
-        self.captured = [hooks for hooks in (self.norm_inputs, self.mlp_outputs, self.neuron_activations,
-                                             self.sublayers) if hooks is not None]
+        self.captured = [hooks for hooks in (self.norm_inputs, self.head_inputs, self.mlp_outputs,
+                                             self.neuron_activations, self.sublayers) if hooks is not None]
         for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
             hooks.active = False
 
@@ -152,6 +172,9 @@ class Objective:
                 gains = ([position0_log_gain(m) for m in self.norm_inputs.sources] if tail0.measure == "output"
                          else None)
                 excess0 = scale_tail_loss(inputs, ids, eot, kind, tail0.ratio, position0=True, gains=gains)
+        heads = torch.zeros_like(ce)
+        if self.head_inputs is not None:
+            heads = scale_loss(self.head_inputs.take(), ids, eot, kind, train.scale_loss_form)
         silence = torch.zeros_like(ce)
         if self.mlp_outputs is not None:
             outputs = self.mlp_outputs.take()
@@ -174,10 +197,11 @@ class Objective:
                     growth = local_growth_loss(self.sublayers, inputs, growth_on)
         weights = [0.0 if t is None else t.weight for t in (*tails[:5], growth_on)]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
+                + train.head_scale_loss_weight * heads
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond
                 + weights[4] * gain + weights[5] * growth)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, excess, excess0, silence, beyond, gain, growth,
+        terms = (loss, ce, aux, kl, spread, heads, excess, excess0, silence, beyond, gain, growth,
                  zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
@@ -284,6 +308,8 @@ class Objective:
             del record["kl"]
         if self.train.scale_loss_weight == 0:
             del record["scale"]
+        if self.train.head_scale_loss_weight == 0:
+            del record["head_scale"]
         if self.train.coverage is None:
             del record["cov_kl"], record["cov_tail"], record["cov_share"]
         for term, field in TAILS.items():
