@@ -6,8 +6,10 @@ For every per-head norm (q_norm, k_norm) of the original: position 0's per-head 
 the other tokens', their spread (coefficient of variation) and their largest over the median; then the CE with
 every k_norm (or q_norm) fixed at one σ per layer, three ways: σ over all tokens, σ over the tokens after
 position 0, and σ over those with position 0 kept at its own scale (what `removal.special_pos0_per_head`
-gives a run until its position-0 σ fades); and the last two again with one σ per head (a per-head σ folds into
-the producing projection's rows as exactly as one σ per layer does); and each k_norm fixed alone. σ is measured on 16 validation sequences, the CE on 16 others.
+gives a run until its position-0 σ fades); the last two again with one σ per head (a per-head σ folds into the
+producing projection's rows as exactly as one σ per layer does); position 0's own scale folded into k_proj by a
+rank-one edit instead (`fold_table`); and each k_norm fixed alone. σ is measured on 16 validation sequences, the CE
+on 16 others.
 Writes a text table (default experiments/results/<model>/robust/per_head_position0.txt).
 """
 
@@ -55,9 +57,10 @@ class Probe(nn.Module):
 
 def fold_table(model, probes, bos_inputs, ce, base, whiten: bool) -> list[str]:
     """Every k_norm fixed at σ over positions ≥ 1, with position 0's own scale folded into k_proj instead of
-    divided by: k_proj += (r − 1)·k_proj·u·uᵀ/(uᵀu), u = BOS's input to k_proj (one vector per layer in BOS-led
-    text), r = σ / BOS's key scale, so BOS's fixed key is its real one exactly and another token's moves by its
-    component along u. Lines of the table, with how far BOS's input varies and the other tokens' |cos| with u."""
+    divided by: k_proj += (r − 1)·k_proj·u·dᵀ/(dᵀu), u = BOS's input to k_proj (one vector per layer in BOS-led
+    text), r = σ / BOS's key scale, d = u (or C⁻¹u with `whiten`, C the other tokens' second moment), so BOS's
+    fixed key is its real one exactly and another token x's moves by (r − 1)·k_proj·u·(dᵀx)/(dᵀu). The table's
+    line (with `whiten`, also how far BOS's input varies over the measured sequences)."""
     lines, saved, spread = [], {}, []
     for (kind, layer), probe in probes.items():
         if kind != "k_norm":
