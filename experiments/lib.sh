@@ -95,3 +95,25 @@ run_analysis() {
   args+=(--out "$out" --overwrite)  # a rerun replaces the analysis there (run() records command.txt beside it)
   run "$out" "${args[@]}"
 }
+
+# side_by_side LOGS FUNCTION...: run shell functions at once, each on an equal share of the cores
+# (OMP_NUM_THREADS) and with its output in LOGS/FUNCTION.log (LOGS relative to the repository root): two torch
+# processes that each take every core slow each other several-fold. One after the other, output to the
+# terminal, on a machine with fewer cores than functions or in a dry run. Fails if any of them fails.
+side_by_side() {
+  local logs=$1
+  shift
+  local share=$(( $(nproc) / $# )) pids=() f status=0
+  if (( share < 1 )) || [[ $DRY_RUN == 1 ]]; then
+    for f in "$@"; do "$f"; done
+    return 0
+  fi
+  mkdir -p "$REPO_ROOT/$logs"
+  for f in "$@"; do
+    echo "$f: $share thread(s), output in $logs/$f.log"
+    OMP_NUM_THREADS=$share "$f" >"$REPO_ROOT/$logs/$f.log" 2>&1 &
+    pids+=($!)
+  done
+  for f in "${pids[@]}"; do wait "$f" || status=1; done
+  return $status
+}

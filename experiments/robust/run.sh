@@ -5,10 +5,12 @@
 #   experiments/robust/run.sh [--dry-run] MODEL        MODEL: gemma3 (experiments/robust/gemma3.toml)
 #
 # 1. the removal (the config) and its vanilla control (the same config with --mode vanilla: the same
-#    tokens, generated rows, losses and learning-rate curve); both choose nothing on the test split;
+#    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each; both
+#    choose nothing on the test split;
 # 2. lnfree verify on the export;
 # 3. lnfree eval of original, vanilla and LN-free on the whole realtext test split (block-bootstrap CIs);
-# 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep;
+# 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep (the
+#    two fine-tuned models side by side);
 # 5. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
 # experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
@@ -50,8 +52,9 @@ step_done() {
   done
 }
 
-removal_run "$runs/ln_free"
-removal_run "$runs/vanilla" --mode vanilla
+train_ln_free() { removal_run "$runs/ln_free"; }
+train_vanilla() { removal_run "$runs/vanilla" --mode vanilla; }
+side_by_side "$runs" train_ln_free train_vanilla
 # The measurements read the run folders (lnfree's exact form of the last checkpoint), so that a model
 # whose export was refused is measured too; verify checks the export against it when there is one.
 models=("$model" "$runs/vanilla" "$runs/ln_free")
@@ -61,9 +64,22 @@ if [[ -d $REPO_ROOT/$runs/ln_free/export || $DRY_RUN == 1 ]]; then
 fi
 step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" \
   --dataset realtext --context "$context" --batch-size 4 --out "$out/eval" --overwrite
-step_done "$out/stress/stress.json" || run "$out/stress" lnfree stress "${models[@]}" --labels "${labels[@]}" \
-  --dataset realtext --context "$context" --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume \
-  || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
+# stress_models INDEX...: the original and the models at INDEX; each model's record is saved in stress/parts,
+# so the original is measured once (the first call) and the last call, with every model, only reuses records
+stress_models() {
+  local i picked=("${models[0]}") names=("${labels[0]}")
+  for i in "$@"; do picked+=("${models[$i]}"); names+=("${labels[$i]}"); done
+  run "$out/stress" lnfree stress "${picked[@]}" --labels "${names[@]}" --dataset realtext --context "$context" \
+    --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume \
+    || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
+}
+stress_vanilla() { stress_models 1; }
+stress_ln_free() { stress_models 2; }
+if ! step_done "$out/stress/stress.json"; then
+  stress_models
+  side_by_side "$runs" stress_vanilla stress_ln_free
+  stress_models 1 2
+fi
 step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze residual --models "${models[@]}" \
   --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \
   --out "$out/analysis" --overwrite

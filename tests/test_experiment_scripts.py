@@ -1,0 +1,70 @@
+"""The shell helpers of experiments/lib.sh and the order of experiments/robust/run.sh's steps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _bash(script: str, tmp_path: Path, cores: int) -> subprocess.CompletedProcess:
+    """Run `script` after sourcing lib.sh, with `nproc` answering `cores` and REPO_ROOT = tmp_path."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")
+    (fake / "nproc").chmod(0o755)
+    env = os.environ | {"PATH": f"{fake}:{os.environ['PATH']}"}
+    body = f"set -euo pipefail\nsource {ROOT}/experiments/lib.sh\nREPO_ROOT={tmp_path}\n{script}"
+    return subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, timeout=60)
+
+
+FUNCTIONS = """
+first() { echo "first ${OMP_NUM_THREADS:-unset} $(date +%s.%N)"; sleep 1; echo "first done $(date +%s.%N)"; }
+second() { echo "second ${OMP_NUM_THREADS:-unset} $(date +%s.%N)"; sleep 1; echo "second done $(date +%s.%N)"; }
+broken() { echo broken; return 3; }
+"""
+
+
+def test_side_by_side_shares_the_cores_and_runs_at_once(tmp_path):
+    done = _bash(FUNCTIONS + 'side_by_side logs first second\necho "status $?"', tmp_path, cores=4)
+    assert done.returncode == 0, done.stderr
+    first = (tmp_path / "logs/first.log").read_text().split()
+    second = (tmp_path / "logs/second.log").read_text().split()
+    assert first[1] == second[1] == "2"  # 4 cores / 2 functions
+    # each started before the other finished
+    assert float(first[2]) < float(second[-1]) and float(second[2]) < float(first[-1])
+
+
+def test_side_by_side_fails_when_one_function_fails(tmp_path):
+    done = _bash(FUNCTIONS + "side_by_side logs first broken", tmp_path, cores=2)
+    assert done.returncode != 0
+    assert (tmp_path / "logs/broken.log").read_text().strip() == "broken"
+    assert "done" in (tmp_path / "logs/first.log").read_text()  # the other one still ran to its end
+
+
+def test_side_by_side_runs_in_turn_on_one_core(tmp_path):
+    done = _bash(FUNCTIONS + "side_by_side logs first second", tmp_path, cores=1)
+    assert done.returncode == 0, done.stderr
+    events = [line.split()[1] if line.split()[1] == "done" else line.split()[0] for line in done.stdout.splitlines()]
+    assert events == ["first", "done", "second", "done"]  # one after the other, to the terminal
+    assert not (tmp_path / "logs").exists()
+
+
+def test_robust_run_trains_side_by_side_and_measures_the_original_first():
+    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+    assert commands[0].startswith("lnfree remove") and "--mode vanilla" not in commands[0]
+    assert commands[1].startswith("lnfree remove") and commands[1].endswith("--mode vanilla")
+    stress = [c.split(" --labels ")[1].split(" --")[0] for c in commands if c.startswith("lnfree stress")]
+    assert stress == ["original", "original vanilla", "original ln_free", "original vanilla ln_free"]
+    assert all("--resume" in c for c in commands if c.startswith("lnfree stress"))
