@@ -65,13 +65,17 @@ fi
 step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" \
   --dataset realtext --context "$context" --batch-size 4 --out "$out/eval" --overwrite
 # stress_models INDEX...: the original and the models at INDEX; each model's record is saved in stress/parts,
-# so the original is measured once (the first call) and the last call, with every model, only reuses records
+# so the original is measured once (the first call) and the last call, with every model, only reuses records.
+# Only that last call leaves a report (stress.json marks the step done).
 stress_models() {
   local i picked=("${models[0]}") names=("${labels[0]}")
   for i in "$@"; do picked+=("${models[$i]}"); names+=("${labels[$i]}"); done
   run "$out/stress" lnfree stress "${picked[@]}" --labels "${names[@]}" --dataset realtext --context "$context" \
     --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume \
     || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
+  if (( ${#picked[@]} < ${#models[@]} )) && [[ $DRY_RUN == 0 ]]; then
+    rm -f "$REPO_ROOT/$out/stress/stress.json" "$REPO_ROOT/$out/stress/stress.md"
+  fi
 }
 stress_vanilla() { stress_models 1; }
 stress_ln_free() { stress_models 2; }
