@@ -11,7 +11,7 @@ import torch
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.coverage import (
-    REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales,
+    COPY_SPAN_MIN, REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales,
 )
 from lnfree.removal.train import RunError, run
 
@@ -165,3 +165,20 @@ def test_replay_in_random_rows_takes_its_share_of_positions_and_leaves_other_set
     half = coverage_ids(Coverage(rows=400, repeated_share=0.0, replay=[7, 9], replay_random=0.5), 5, 0, 0, **args)
     carrying = float(((half[:, 1:] == 7) | (half[:, 1:] == 9)).any(dim=1).float().mean())
     assert 0.4 < carrying < 0.6
+
+
+def test_copy_rows_repeat_a_span_of_their_random_ids_and_leave_other_settings_unchanged():
+    args = {"context": 64, "vocab_size": 100_000, "bos": 3, "seed": 0}
+    plain = coverage_ids(Coverage(rows=64, repeated_share=0.5), 5, 0, 0, **args)
+    assert torch.equal(coverage_ids(Coverage(rows=64, repeated_share=0.5, copy_share=0.0), 5, 0, 0, **args), plain)
+    rows = coverage_ids(Coverage(rows=200, repeated_share=0.0, copy_share=1.0), 5, 0, 0, **args)
+    assert (rows[:, 0] == 3).all()
+    spans = []
+    for row in rows[:, 1:]:
+        span = next(s for s in range(COPY_SPAN_MIN, 32) if torch.equal(row[s:], row[:-s]))
+        assert len(set(row[:span].tolist())) > span // 2  # random ids, not one repeated id
+        spans.append(span)
+    assert min(spans) == COPY_SPAN_MIN and max(spans) >= 28
+    half = coverage_ids(Coverage(rows=400, repeated_share=0.0, copy_share=0.5), 5, 0, 0, **args)
+    copying = sum(any(torch.equal(r[1 + s:], r[1:-s]) for s in range(COPY_SPAN_MIN, 32)) for r in half) / 400
+    assert 0.4 < copying < 0.6

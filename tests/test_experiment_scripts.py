@@ -64,7 +64,10 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first():
     assert done.returncode == 0, done.stderr
     commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
     assert commands[0].startswith("lnfree remove") and "--mode vanilla" not in commands[0]
-    assert commands[1].startswith("lnfree remove") and commands[1].endswith("--mode vanilla")
+    assert commands[1].startswith("lnfree remove") and "--mode vanilla" in commands[1]  # (--resume where it ran)
     stress = [c.split(" --labels ")[1].split(" --")[0] for c in commands if c.startswith("lnfree stress")]
     assert stress == ["original", "original vanilla", "original ln_free", "original vanilla ln_free"]
     assert all("--resume" in c for c in commands if c.startswith("lnfree stress"))
+    copying = [i for i, c in enumerate(commands) if "experiments/robust/induction.py" in c]
+    assert len(copying) == 1 and "--labels original vanilla ln_free" in commands[copying[0]]
+    assert copying[0] > max(i for i, c in enumerate(commands) if c.startswith("lnfree stress"))

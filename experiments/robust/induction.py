@@ -6,6 +6,7 @@ tokens. Copying a span seen before is the plainest such skill, and needs sharp a
 among many, what the per-head norms (q_norm, k_norm) bound in the original:
 
     python experiments/robust/induction.py MODEL... [--labels ...] [--span 31] [--rows 64] [--out FILE.md]
+        [--json FILE.json]
 
 Each row: BOS (where the family reads one), then `span` ids drawn at random (seeded) from the ids of the
 realtext training split seen at least `--min-count` times, then the same ids again. The table gives each model's
@@ -17,6 +18,7 @@ by distance into the repeat.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +67,8 @@ def main() -> None:
     parser.add_argument("--min-count", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="the table, as markdown")
+    parser.add_argument("--json", type=Path, help="the same numbers as JSON (experiments/robust/summary.py reads it)")
     args = parser.parse_args()
     loaded = load_models(args.models, args.labels, form="hf", dtype="fp32")
     tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
@@ -81,17 +84,21 @@ def main() -> None:
              f"(seed {args.seed}, from the {len(pool):,} ids seen ≥ {args.min_count} times in the realtext training "
              f"split) then the same ids again; mean CE in nats (fp32, no ceiling); an even bet over the span's ids scores "
              f"ln({args.span}) = {np.log(args.span):.2f}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    record = {"settings": {"rows": args.rows, "span": args.span, "min_count": args.min_count, "seed": args.seed,
+                           "pool": len(pool), "even_bet": float(np.log(args.span))}, "models": {}}
     for model in loaded:
         model.module.eval()
         ce = token_ce(model.module, ids, args.batch_size)  # column t predicts token t + 1
-        cells = [ce[:, first:repeat - 1].mean(), ce[:, repeat:].mean()]
-        cells += [ce[:, repeat - 1 + a: repeat + b].mean() for a, b in buckets]
-        lines.append(f"| {model.label} | " + " | ".join(f"{float(c):.3f}" for c in cells) + " |")
+        cells = {"first_span": ce[:, first:repeat - 1].mean(), "repeat": ce[:, repeat:].mean()}
+        cells |= {f"repeat_{a}-{b}": ce[:, repeat - 1 + a: repeat + b].mean() for a, b in buckets}
+        record["models"][model.label] = {k: round(float(v), 4) for k, v in cells.items()}
+        lines.append(f"| {model.label} | " + " | ".join(f"{float(c):.3f}" for c in cells.values()) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    for path, content in ((args.out, text), (args.json, json.dumps(record, indent=1) + "\n")):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 
 Reads RUNS/ln_free and RUNS/vanilla (log.jsonl, run config, the removal state of the latest checkpoint),
 OUT/eval/summary.json (test CE on the whole test split, block-bootstrap CI of the difference),
-OUT/stress/stress.json (`lnfree stress`), OUT/verify.json and OUT/analysis/index.json (per-block position-0
-residual norm ratios). Copies each run's log and config beside the summary. Nothing is typed in by hand.
+OUT/stress/stress.json (`lnfree stress`), OUT/copying/copying.json (the copying probe,
+experiments/robust/induction.py), OUT/verify.json and OUT/analysis/index.json (per-block position-0 residual
+norm ratios). Copies each run's log and config beside the summary. Nothing is typed in by hand.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
         "stress_settings": stress["settings"] | {"repeated_probe_ids": len(stress["settings"]["repeated_probe_ids"])
                                                  if isinstance(stress["settings"]["repeated_probe_ids"], list)
                                                  else stress["settings"]["repeated_probe_ids"]},
+        "copying": _json(args.out / "copying" / "copying.json"),
         "export": None if refused else str(run / "export"),
         **({"export_refused": refused} if refused else {}),
         "verify_ok": None if verify is None else verify["ok"],

@@ -5,7 +5,9 @@ repeated many times): a fixed σ no longer scales them back, and the fixed block
 they add. Fine-tuning on real text alone never puts them in front of the loss. `train.coverage` adds
 `rows` generated sequences to every micro-step, each BOS-led (where the family reads one): BOS and
 one id repeated to the context length (a share `repeated_share` of the rows), or BOS and uniformly
-random ids. The ids are a pure function of (seed, step, micro-step, rank), so a resumed run and its
+random ids; with `copy_share`, a share of the random rows repeat a span of their random ids to the row's
+end, so that the KL to the teacher keeps the original's in-context copying (induction), which fixed norms
+otherwise wear away (experiments/robust/induction.py). The ids are a pure function of (seed, step, micro-step, rank), so a resumed run and its
 vanilla control see the same rows. On them the model is trained
 
 - towards the original's predictions (KL to the teacher, weight `kl_weight`; no cross-entropy, the
@@ -43,6 +45,8 @@ from lnfree.removal.mining import Mining
 
 #: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
 _STREAM = 7919
+#: The shortest span a copy row repeats (`Coverage.copy_share`); the longest is half the row.
+COPY_SPAN_MIN = 4
 #: The share of a random row's positions that hold replayed ids (`Coverage.replay_random`): most of the
 #: row stays random context, as in the sweep that finds such ids.
 REPLAY_DENSITY = 1 / 8
@@ -69,6 +73,9 @@ class Coverage(BaseModel):
     replay_random: float = Field(0.0, ge=0, le=1, description="share of the random rows that carry `replay` ids "
                                  f"too, each of their positions one with probability {REPLAY_DENSITY:g} (ids that "
                                  "run away among other ids: `mine.random`)")
+    copy_share: float = Field(0.0, ge=0, le=1, description="share of the random rows that repeat a span of their "
+                              f"own random ids to the row's end (in-context copying; the span {COPY_SPAN_MIN} ids "
+                              "to half the row): the original copies such a span almost exactly")
     no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
                                 "family that reads one; its first token is then the row's own id): users who "
                                 "tokenise without special tokens feed such input")
@@ -105,6 +112,9 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
             if replay and coverage.replay_random > 0 and rng.random() < coverage.replay_random:
                 spots = rng.random(context) < REPLAY_DENSITY
                 row[spots] = np.asarray(replay)[rng.integers(0, len(replay), int(spots.sum()))]
+            if coverage.copy_share > 0 and rng.random() < coverage.copy_share:
+                span = int(rng.integers(COPY_SPAN_MIN, max(COPY_SPAN_MIN, (context - 1) // 2) + 1))
+                row[1:] = np.resize(row[1:1 + span], context - 1)  # position 0: BOS or the row's own id
     if bos is not None:
         with_bos = rng.random(len(rows)) >= coverage.no_bos_share if coverage.no_bos_share > 0 else slice(None)
         rows[with_bos, 0] = bos
