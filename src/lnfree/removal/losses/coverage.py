@@ -7,8 +7,8 @@ they add. Fine-tuning on real text alone never puts them in front of the loss. `
 one id repeated to the context length (a share `repeated_share` of the rows), or BOS and uniformly
 random ids; with `copy_share`, a share of the random rows repeat a span of their random ids to the row's
 end, so that the KL to the teacher keeps the original's in-context copying (induction), which fixed norms
-otherwise wear away (experiments/robust/induction.py). The ids are a pure function of (seed, step, micro-step, rank), so a resumed run and its
-vanilla control see the same rows. On them the model is trained
+otherwise wear away (experiments/robust/induction.py). The ids are a pure function of (seed, step,
+micro-step, rank), so a resumed run and its vanilla control see the same rows. On them the model is trained
 
 - towards the original's predictions (KL to the teacher, weight `kl_weight`; no cross-entropy, the
   rows are not text), and
@@ -75,7 +75,7 @@ class Coverage(BaseModel):
                                  "run away among other ids: `mine.random`)")
     copy_share: float = Field(0.0, ge=0, le=1, description="share of the random rows that repeat a span of their "
                               f"own random ids to the row's end (in-context copying; the span {COPY_SPAN_MIN} ids "
-                              "to half the row): the original copies such a span almost exactly")
+                              "to half the row), which the original predicts from the first span")
     no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
                                 "family that reads one; its first token is then the row's own id): users who "
                                 "tokenise without special tokens feed such input")
