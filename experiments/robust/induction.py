@@ -100,7 +100,8 @@ def main() -> None:
         model.module.eval()
         ce = token_ce(model.module, ids, args.batch_size)  # column t predicts token t + 1
         bounded = (ce <= RUNAWAY_NATS).all(dim=1)  # NaN compares False: a non-finite row is a runaway one
-        cells = {"runaway_rows": (~bounded).sum(), "largest_bounded_ce": ce[bounded].max()}
+        cells = {"runaway_rows": (~bounded).sum(),  # NaN where every row ran away
+                 "largest_bounded_ce": ce[bounded].max() if bounded.any() else torch.tensor(float("nan"))}
         ce = ce[bounded]
         cells |= {"first_span": ce[:, first:repeat - 1].mean(), "repeat": ce[:, repeat:].mean()}
         cells |= {f"repeat_{a}-{b}": ce[:, repeat - 1 + a: repeat + b].mean() for a, b in buckets}
