@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from lnfree.errors import LnfreeError
 from lnfree.fixedscale.ceiling import ScaleCeiling
+from lnfree.removal.losses.attention import AttentionKl
 from lnfree.removal.losses.coverage import Coverage
 from lnfree.removal.losses.margin import StabilityMargin
 from lnfree.removal.losses.massive import MassiveNeurons, Position0Tail, ScaleTail, check_pieces
@@ -34,7 +35,7 @@ class _Strict(BaseModel):
 #: The losses whose setting is a function of the step: one setting with its `start`, or a list of
 #: them (a later `start` takes over: how a run changes a hinge's ratio or weight from some step on).
 STEP_LOSSES = ("scale_tail", "position0_tail", "position0_mlp", "neuron_range", "neuron_gain", "stability_margin",
-               "coverage", "local_growth")
+               "coverage", "local_growth", "attention_kl")
 
 
 class LearningRateRestart(_Strict):
@@ -131,6 +132,10 @@ class TrainConfig(_Strict):
         None, description="a hinge on each MLP sublayer's growth factor for a token scaled by `factor` (its norms "
         "as fixed, every block, a few tokens of each micro-batch; lnfree.removal.losses.growth); None is off"
     )
+    attention_kl: AttentionKl | list[AttentionKl] | None = Field(
+        None, description="KL from the teacher's attention rows to the model's, every head and block: keeps the "
+        "attention sink that fixed key norms break (needs distill_alpha > 0; lnfree.removal.losses.attention)"
+    )
     coverage: Coverage | list[Coverage] | None = Field(
         None, description="generated rows of random and repeated ids beside each micro-batch, trained towards the "
         "teacher and within the text's typical scale at every norm input (lnfree.removal.losses.coverage; a list: "
@@ -189,6 +194,9 @@ class TrainConfig(_Strict):
             check_pieces(getattr(self, name), name)
         if self.neuron_range is not None and self.distill_alpha == 0:
             raise ValueError("train.neuron_range measures each neuron's range on the distillation teacher: set "
+                             "train.distill_alpha > 0")
+        if self.attention_kl is not None and self.distill_alpha == 0:
+            raise ValueError("train.attention_kl compares with the distillation teacher's attention: set "
                              "train.distill_alpha > 0")
         return self
 

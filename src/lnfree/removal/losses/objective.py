@@ -3,6 +3,7 @@
     loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_heads·head_scale + w_tail(step)·tail
            + w_pos0(step)·pos0
            + w_mlp0(step)·mlp0 + w_range(step)·range + w_gain(step)·gain + w_growth(step)·growth
+           + w_attn(step)·attn
            [+ w_margin(step)·margin, its own forward]
 
 CE is the next-token cross-entropy; KL distils the frozen original (`train.distill_alpha` = α);
@@ -17,7 +18,8 @@ neuron's gain in weight space, the same on every micro-batch (`train.neuron_gain
 `lnfree.removal.losses.gain`); growth hinges each MLP sublayer's growth factor for a token scaled up, every
 block, on a few of the micro-batch's tokens (`train.local_growth`, `lnfree.removal.losses.growth`); margin, in forwards of
 its own over a few of the micro-batch's sequences (`Objective.margin`), hinges the growth downstream of one
-token's residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`). With
+token's residual scaled up at one block (`train.stability_margin`, `lnfree.removal.losses.margin`); attn is the KL
+from the teacher's attention rows to the model's (`train.attention_kl`, `lnfree.removal.losses.attention`). With
 `train.coverage` (`lnfree.removal.losses.coverage`) each
 micro-step also runs generated rows of random and repeated ids on their own (`Objective.coverage`):
 cov_kl (KL to the teacher there) and cov_tail (the hinge against the text's typical scales). Every weight comes from `TrainConfig` (the
@@ -39,6 +41,7 @@ from torch import nn
 from lnfree.arch import architecture
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig
+from lnfree.removal.losses.attention import AttentionPatterns, attention_kl_loss
 from lnfree.removal.losses.coverage import Coverage, coverage_hinge, typical_log_scales
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, perturbed, previewed
 from lnfree.fixedscale.functional import second_moment
@@ -60,11 +63,11 @@ from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "margin",
-         "margin_share", "cov_kl", "cov_tail", "cov_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "attn",
+         "margin", "margin_share", "cov_kl", "cov_tail", "cov_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
-         "gain": "neuron_gain", "margin": "stability_margin", "growth": "local_growth"}
+         "gain": "neuron_gain", "margin": "stability_margin", "growth": "local_growth", "attn": "attention_kl"}
 
 
 class LnfInput:
@@ -135,10 +138,14 @@ class Objective:
         # a vanilla control has no σ to measure a sublayer as fixed with: the hinge is not computed there (0)
         growing = train.local_growth is not None and surgery.is_installed(model)
         self.sublayers = MlpSublayers(model) if growing else None
+        attending = train.attention_kl is not None
+        self.attention = AttentionPatterns(model) if attending else None
+        self.teacher_attention = AttentionPatterns(teacher) if attending and teacher is not None else None
         self.captured = [hooks for hooks in (self.norm_inputs, self.head_inputs, self.mlp_outputs,
-                                             self.neuron_activations, self.sublayers) if hooks is not None]
-        for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute
-            hooks.active = False
+                                             self.neuron_activations, self.sublayers, self.attention) if hooks is not None]
+        for hooks in (*self.captured, self.teacher_attention):  # only the loss's own forwards: not the
+            if hooks is not None:  # evaluations, not a recompute, not the coverage rows
+                hooks.active = False
 
     def tails_at(self, step: int) -> tuple:
         """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""
@@ -148,13 +155,14 @@ class Objective:
         """(the loss to backpropagate, the detached `TERMS` stacked): `model` is what to call (a
         distributed wrapper of the module the hooks sit on)."""
         train, ids, eot, kind = self.train, input_ids, self.eot_token_id, self.norm_kind
-        tail, tail0, mlp0, bounds, gain_bound, _, growth_on = tails  # the margin has a forward of its own (`margin`)
+        tail, tail0, mlp0, bounds, gain_bound, _, growth_on, attend = tails  # the margin: `margin`, its own forward
         alpha = train.distill_alpha
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
             output = self._forward(model, ids, labels=not self._teaching(alpha))
-        vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
+        with self.teacher_attention.capturing() if self.teacher_attention is not None else contextlib.nullcontext():
+            vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
         aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
         spread, excess, excess0 = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
         if self.norm_inputs is not None:
@@ -189,19 +197,24 @@ class Objective:
         gain = torch.zeros_like(ce)
         if gain_bound is not None:
             gain = neuron_gain_loss(self.gain_weights.gains(), gain_bound.ratio)
+        attn = torch.zeros_like(ce)
+        if self.attention is not None:
+            student, teacher = self.attention.take(), self.teacher_attention.take()
+            if attend is not None and teacher:
+                attn = attention_kl_loss(student, teacher)
         growth = torch.zeros_like(ce)
         if self.sublayers is not None:
             inputs = self.sublayers.take()
             if growth_on is not None and growth_on.weight > 0:
                 with self.autocast():
                     growth = local_growth_loss(self.sublayers, inputs, growth_on)
-        weights = [0.0 if t is None else t.weight for t in (*tails[:5], growth_on)]
+        weights = [0.0 if t is None else t.weight for t in (*tails[:5], growth_on, attend)]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
                 + train.head_scale_loss_weight * heads
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond
-                + weights[4] * gain + weights[5] * growth)
+                + weights[4] * gain + weights[5] * growth + weights[6] * attn)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, heads, excess, excess0, silence, beyond, gain, growth,
+        terms = (loss, ce, aux, kl, spread, heads, excess, excess0, silence, beyond, gain, growth, attn,
                  zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
@@ -322,6 +335,7 @@ class Objective:
     def remove(self) -> None:
         """Take the hooks off the model and drop what they kept."""
         self.lnf_input.handle.remove()
-        for hooks in self.captured:
-            hooks.remove()
-            hooks.clear()
+        for hooks in (*self.captured, self.teacher_attention):
+            if hooks is not None:
+                hooks.remove()
+                hooks.clear()
