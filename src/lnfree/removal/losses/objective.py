@@ -161,7 +161,8 @@ class Objective:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
             output = self._forward(model, ids, labels=not self._teaching(alpha))
-        with self.teacher_attention.capturing() if self.teacher_attention is not None else contextlib.nullcontext():
+        watching = self.teacher_attention is not None and attend is not None  # the teacher's rows, while it is on
+        with self.teacher_attention.capturing() if watching else contextlib.nullcontext():
             vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
         aux = auxiliary_loss(self.lnf_input.value, ids, eot, self.eps, kind)
         spread, excess, excess0 = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
@@ -199,9 +200,9 @@ class Objective:
             gain = neuron_gain_loss(self.gain_weights.gains(), gain_bound.ratio)
         attn = torch.zeros_like(ce)
         if self.attention is not None:
-            student, teacher = self.attention.take(), self.teacher_attention.take()
-            if attend is not None and teacher:
-                attn = attention_kl_loss(student, teacher)
+            student = self.attention.take()
+            if watching:
+                attn = attention_kl_loss(student, self.teacher_attention.take())
         growth = torch.zeros_like(ce)
         if self.sublayers is not None:
             inputs = self.sublayers.take()
