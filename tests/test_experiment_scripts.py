@@ -57,8 +57,11 @@ def test_side_by_side_runs_in_turn_on_one_core(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def test_robust_run_trains_side_by_side_and_measures_the_original_first():
-    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=ROOT,
+def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path):
+    # a copy of the scripts, so that run folders of this checkout (a finished run prints no command) do not count
+    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
+    shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
+    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
