@@ -17,11 +17,10 @@ SCORING_CONVENTION = (
     "nothing is padded or masked; scored tokens = sequences x (L-1) for every model and format"
 )
 UNITS = "nats"
-#: Positions per chunk of the vocabulary-wide statistics: bounds their fp32 temporaries (a few of
-#: chunk × vocabulary) whatever the batch (Gemma 3's 262,144-token vocabulary: 128 MB each).
+#: Positions per chunk of the vocabulary-wide statistics: bounds their fp32 tensors of chunk × vocabulary
+#: (two kept per model that is compared in pairs, a few temporaries) whatever the batch (Gemma 3's
+#: 262,144-token vocabulary: 128 MB each).
 STAT_CHUNK = 128
-
-
 
 
 @dataclass
@@ -34,34 +33,48 @@ class TokenScores:
     top1: torch.Tensor  # top-1 token id (int64)
 
 
+@dataclass
+class Distribution:
+    """Next-token probabilities and their p·log p terms (0 where p = 0): what entropy and JSD are made of."""
+
+    p: torch.Tensor
+    plogp: torch.Tensor
+
+    @classmethod
+    def of(cls, logp: torch.Tensor) -> Distribution:
+        """The distribution of log-probabilities `logp` (…, V)."""
+        p = logp.exp()
+        return cls(p, torch.special.xlogy(p, p))
+
+
 def token_statistics(
     logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.float32,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], Distribution]:
     """Per-position CE, entropy, top-1 probability and id from next-token logits (maths in `dtype`).
 
-    `logits` (…, V) predicts `targets` (…); returns the statistics and the log-probabilities.
+    `logits` (…, V) predicts `targets` (…); returns the statistics and the predicted distribution.
     """
     logp = F.log_softmax(logits.to(dtype), dim=-1)
-    p = logp.exp()
+    dist = Distribution.of(logp)
     ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
     best, top1 = logp.max(dim=-1)
-    return {"ce": ce, "entropy": entropy, "confidence": best.exp(), "top1": top1}, logp
+    return {"ce": ce, "entropy": -dist.plogp.sum(-1), "confidence": best.exp(), "top1": top1}, dist
 
 
 def js_divergence(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
-    """Per-position Jensen–Shannon divergence (nats) between two log-distributions over the last axis.
+    """Per-position Jensen–Shannon divergence (nats) between two log-distributions over the last axis."""
+    return distribution_jsd(Distribution.of(logp_a), Distribution.of(logp_b))
 
-    log m = max(a, b) + log1p(½·expm1(−|a − b|)) is exact where a = b, so a model's JSD with
-    itself is exactly 0.
+
+def distribution_jsd(a: Distribution, b: Distribution) -> torch.Tensor:
+    """Per-position JSD = Σ ½·p log p + ½·q log q − m log m, with m = (p + q)/2, summed per element.
+
+    Each term is formed before the sum, so that where p = q it is exactly 0 (m = p bit for bit): a
+    model's JSD with itself is exactly 0. One log per element (the entropies' terms are reused): ~5×
+    fewer passes over the vocabulary than the KL-to-m form.
     """
-    log_m = torch.maximum(logp_a, logp_b) + torch.log1p(0.5 * torch.expm1(-(logp_a - logp_b).abs()))
-
-    def kl_to_m(logp: torch.Tensor) -> torch.Tensor:
-        p = logp.exp()
-        return torch.where(p > 0, p * (logp - log_m), torch.zeros_like(p)).sum(-1)
-
-    return (0.5 * kl_to_m(logp_a) + 0.5 * kl_to_m(logp_b)).clamp_min(0.0)
+    m = (a.p + b.p).mul_(0.5)
+    return torch.add(a.plogp, b.plogp).mul_(0.5).sub_(torch.special.xlogy(m, m)).sum(-1).clamp_min(0.0)
 
 
 def _logits(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -107,15 +120,15 @@ def score(
 def _score_chunk(logits: dict[str, torch.Tensor], targets: torch.Tensor, scores: dict[str, TokenScores],
                  jsd: dict, pairs: Sequence[tuple[str, str]], in_pairs: set[str], rows: slice, cols: slice) -> None:
     """The statistics of the positions `cols` of the sequences `rows`, written into `scores` and `jsd`."""
-    logps = {}
+    dists = {}
     for label, full in logits.items():
-        stats, logp = token_statistics(full[:, cols], targets)
+        stats, dist = token_statistics(full[:, cols], targets)
         for name, value in stats.items():
             getattr(scores[label], name)[rows, cols] = value.cpu()
         if label in in_pairs:
-            logps[label] = logp
+            dists[label] = dist
     for a, b in pairs:
-        if logps[a].shape != logps[b].shape:
-            raise EvalError(f"{a} and {b} have different vocabularies ({logps[a].shape[-1]} vs "
-                            f"{logps[b].shape[-1]}): no pairwise comparison")
-        jsd[(a, b)][rows, cols] = js_divergence(logps[a], logps[b]).cpu()
+        if dists[a].p.shape != dists[b].p.shape:
+            raise EvalError(f"{a} and {b} have different vocabularies ({dists[a].p.shape[-1]} vs "
+                            f"{dists[b].p.shape[-1]}): no pairwise comparison")
+        jsd[(a, b)][rows, cols] = distribution_jsd(dists[a], dists[b]).cpu()
