@@ -7,7 +7,7 @@ and their three pairs and differ in one thing only, the JSD:
 
 * KL-to-m (the form lnfree used before): log m = max(a, b) + log1p(½·expm1(−|a − b|)) from the
   log-probabilities, then ½·KL(p‖m) + ½·KL(q‖m);
-* terms (lnfree.evaluate.scoring.distribution_jsd): Σ ½·p log p + ½·q log q − m log m per element, reusing
+* terms (lnfree.evaluate.scoring.prediction_jsd): Σ ½·p log p + ½·q log q − m log m per element, reusing
   each model's p log p from its entropy.
 
 Rounds are interleaved so that drift in machine load hits both alike; the script prints each median, their
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lnfree.evaluate.scoring import distribution_jsd, token_statistics
+from lnfree.evaluate.scoring import prediction_jsd, token_statistics
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -55,8 +55,8 @@ def score_kl_to_m(logits: list[torch.Tensor], targets: torch.Tensor) -> list[tor
 
 def score_terms(logits: list[torch.Tensor], targets: torch.Tensor) -> list[torch.Tensor]:
     """Statistics of each model, then each pair's JSD from the distributions' terms (what lnfree eval does)."""
-    dists = [token_statistics(x, targets)[1] for x in logits]
-    return [distribution_jsd(a, b) for a, b in itertools.combinations(dists, 2)]
+    preds = [token_statistics(x, targets)[1] for x in logits]
+    return [prediction_jsd(a, b) for a, b in itertools.combinations(preds, 2)]
 
 
 def main() -> None:

@@ -47,8 +47,10 @@ from lnfree.evaluate.output import markdown, write_report
 from lnfree.evaluate.run import EvalReport, evaluate, evaluate_models
 from lnfree.evaluate.scoring import (
                                        SCORING_CONVENTION,
+                                       Prediction,
                                        TokenScores,
                                        js_divergence,
+                                       prediction_jsd,
                                        score,
                                        token_statistics,
 )
@@ -62,7 +64,8 @@ from lnfree.evaluate.summaries import (
 
 __all__ = [
     "BENCHMARKS", "DEFAULT_THRESHOLD", "SCORING_CONVENTION", "BenchmarkUnavailable", "EvalError", "EvalModel",
-    "EvalReport", "TokenScores", "distribution", "evaluate", "evaluate_models", "expected_calibration_error",
-    "hellaswag", "js_divergence", "load_models", "load_sequences", "markdown", "outliers", "position_edges",
-    "presets", "resolve_dataset", "resolve_device", "score", "token_statistics", "write_report",
+    "EvalReport", "Prediction", "TokenScores", "distribution", "evaluate", "evaluate_models",
+    "expected_calibration_error", "hellaswag", "js_divergence", "load_models", "load_sequences", "markdown",
+    "outliers", "position_edges", "prediction_jsd", "presets", "resolve_dataset", "resolve_device", "score",
+    "token_statistics", "write_report",
 ]

@@ -34,44 +34,45 @@ class TokenScores:
 
 
 @dataclass
-class Distribution:
+class Prediction:
     """Next-token probabilities and their p·log p terms (0 where p = 0): what entropy and JSD are made of."""
 
     p: torch.Tensor
     plogp: torch.Tensor
 
     @classmethod
-    def of(cls, logp: torch.Tensor) -> Distribution:
-        """The distribution of log-probabilities `logp` (…, V)."""
+    def of(cls, logp: torch.Tensor) -> Prediction:
+        """The prediction whose log-probabilities are `logp` (…, V)."""
         p = logp.exp()
         return cls(p, torch.special.xlogy(p, p))
 
 
 def token_statistics(
     logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.float32,
-) -> tuple[dict[str, torch.Tensor], Distribution]:
+) -> tuple[dict[str, torch.Tensor], Prediction]:
     """Per-position CE, entropy, top-1 probability and id from next-token logits (maths in `dtype`).
 
     `logits` (…, V) predicts `targets` (…); returns the statistics and the predicted distribution.
     """
     logp = F.log_softmax(logits.to(dtype), dim=-1)
-    dist = Distribution.of(logp)
+    pred = Prediction.of(logp)
     ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     best, top1 = logp.max(dim=-1)
-    return {"ce": ce, "entropy": -dist.plogp.sum(-1), "confidence": best.exp(), "top1": top1}, dist
+    return {"ce": ce, "entropy": -pred.plogp.sum(-1), "confidence": best.exp(), "top1": top1}, pred
 
 
 def js_divergence(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
     """Per-position Jensen–Shannon divergence (nats) between two log-distributions over the last axis."""
-    return distribution_jsd(Distribution.of(logp_a), Distribution.of(logp_b))
+    return prediction_jsd(Prediction.of(logp_a), Prediction.of(logp_b))
 
 
-def distribution_jsd(a: Distribution, b: Distribution) -> torch.Tensor:
+def prediction_jsd(a: Prediction, b: Prediction) -> torch.Tensor:
     """Per-position JSD = Σ ½·p log p + ½·q log q − m log m, with m = (p + q)/2, summed per element.
 
     Each term is formed before the sum, so that where p = q it is exactly 0 (m = p bit for bit): a
-    model's JSD with itself is exactly 0. One log per element (the entropies' terms are reused): ~5×
-    fewer passes over the vocabulary than the KL-to-m form.
+    model's JSD with itself is exactly 0. One log per element, the entropies' terms reused: at Gemma 3's
+    vocabulary, scoring three models and their pairs takes 2.6× less CPU time than with the KL-to-m form
+    (benchmarks/eval_scoring.py).
     """
     m = (a.p + b.p).mul_(0.5)
     return torch.add(a.plogp, b.plogp).mul_(0.5).sub_(torch.special.xlogy(m, m)).sum(-1).clamp_min(0.0)
@@ -120,15 +121,15 @@ def score(
 def _score_chunk(logits: dict[str, torch.Tensor], targets: torch.Tensor, scores: dict[str, TokenScores],
                  jsd: dict, pairs: Sequence[tuple[str, str]], in_pairs: set[str], rows: slice, cols: slice) -> None:
     """The statistics of the positions `cols` of the sequences `rows`, written into `scores` and `jsd`."""
-    dists = {}
+    preds = {}
     for label, full in logits.items():
-        stats, dist = token_statistics(full[:, cols], targets)
+        stats, pred = token_statistics(full[:, cols], targets)
         for name, value in stats.items():
             getattr(scores[label], name)[rows, cols] = value.cpu()
         if label in in_pairs:
-            dists[label] = dist
+            preds[label] = pred
     for a, b in pairs:
-        if dists[a].p.shape != dists[b].p.shape:
-            raise EvalError(f"{a} and {b} have different vocabularies ({dists[a].p.shape[-1]} vs "
-                            f"{dists[b].p.shape[-1]}): no pairwise comparison")
-        jsd[(a, b)][rows, cols] = distribution_jsd(dists[a], dists[b]).cpu()
+        if preds[a].p.shape != preds[b].p.shape:
+            raise EvalError(f"{a} and {b} have different vocabularies ({preds[a].p.shape[-1]} vs "
+                            f"{preds[b].p.shape[-1]}): no pairwise comparison")
+        jsd[(a, b)][rows, cols] = prediction_jsd(preds[a], preds[b]).cpu()
