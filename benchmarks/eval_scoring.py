@@ -3,7 +3,7 @@
 `lnfree eval` scores every model on every position (CE, entropy, top-1) and every pair's JSD over the whole
 vocabulary; at Gemma 3's 262,144 tokens this, not the forwards, dominated an eval batch. The two variants
 score the same synthetic logits (one chunk of positions, as lnfree.evaluate.scoring does) for three models
-and their three pairs and differ in one thing only, the JSD:
+and their three pairs and differ in the JSD's form (and in what the statistics hand on to it):
 
 * KL-to-m (the form lnfree used before): log m = max(a, b) + log1p(½·expm1(−|a − b|)) from the
   log-probabilities, then ½·KL(p‖m) + ½·KL(q‖m);
@@ -44,12 +44,19 @@ def kl_to_m_jsd(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
     return (0.5 * kl(logp_a) + 0.5 * kl(logp_b)).clamp_min(0.0)
 
 
+def statistics_before(logits: torch.Tensor, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """lnfree's per-position statistics as they were with the KL-to-m form: they handed on the log-probabilities."""
+    logp = F.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    best, top1 = logp.max(dim=-1)
+    ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return {"ce": ce, "entropy": entropy, "confidence": best.exp(), "top1": top1}, logp
+
+
 def score_kl_to_m(logits: list[torch.Tensor], targets: torch.Tensor) -> list[torch.Tensor]:
-    """Statistics of each model, then each pair's JSD in the KL-to-m form."""
-    logps = []
-    for x in logits:
-        token_statistics(x, targets)
-        logps.append(F.log_softmax(x, dim=-1))
+    """Statistics of each model, then each pair's JSD in the KL-to-m form (what lnfree eval did before)."""
+    logps = [statistics_before(x, targets)[1] for x in logits]
     return [kl_to_m_jsd(a, b) for a, b in itertools.combinations(logps, 2)]
 
 
