@@ -11,7 +11,8 @@ import torch
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.coverage import (
-    COPY_SPAN_MIN, REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, gradients, typical_log_scales,
+    COPY_SPAN_MIN, REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, first_token_ids, gradients,
+    typical_log_scales,
 )
 from lnfree.removal.train import RunError, run
 
@@ -44,6 +45,18 @@ def test_the_hinge_is_zero_within_the_ratio_and_grows_beyond_it_against_the_text
     position0 = inside.clone()
     position0[0, 0] *= 100  # position 0 (BOS, the sink) is not hinged
     assert coverage_hinge([position0], typical, "rms", ratio=2.0) == 0
+
+
+def test_the_hinge_reads_position_0_of_the_rows_without_bos_where_asked():
+    text = torch.ones(2, 5, 4)
+    typical = typical_log_scales([text], torch.ones(2, 5, dtype=torch.long), eot_token_id=0, kind="rms")
+    rows = torch.ones(2, 5, 4) * 1.9
+    rows[:, 0] *= 100  # both rows' first token far beyond the text's scale
+    alone = coverage_hinge([rows[1:]], typical, "rms", ratio=2.0, position0=torch.tensor([True]))
+    assert alone > 0
+    assert coverage_hinge([rows], typical, "rms", ratio=2.0, position0=torch.tensor([False, False])) == 0
+    both = coverage_hinge([rows], typical, "rms", ratio=2.0, position0=torch.tensor([False, True]))
+    assert torch.allclose(both, alone / 2)  # the sum is per sequence: two rows, one of them hinged
 
 
 def test_the_rows_gradient_is_capped_at_its_share_of_the_texts():
@@ -182,3 +195,14 @@ def test_copy_rows_repeat_a_span_of_their_random_ids_and_leave_other_settings_un
     half = coverage_ids(Coverage(rows=400, repeated_share=0.0, copy_share=0.5), 5, 0, 0, **args)
     copying = sum(any(torch.equal(r[1 + s:], r[1:-s]) for s in range(COPY_SPAN_MIN, 32)) for r in half) / 400
     assert 0.4 < copying < 0.6
+
+
+def test_one_token_rows_are_a_pure_function_of_the_step_and_apart_from_the_other_rows():
+    cov = Coverage(rows=4, first_token_rows=64)
+    args = dict(vocab_size=1000, seed=3)
+    rows = first_token_ids(cov, 7, 0, 0, **args)
+    assert rows.shape == (64, 1) and rows.min() >= 0 and rows.max() < 1000
+    assert torch.equal(rows, first_token_ids(cov, 7, 0, 0, **args))
+    assert not torch.equal(rows, first_token_ids(cov, 8, 0, 0, **args))
+    assert not torch.equal(rows, first_token_ids(cov, 7, 0, 1, **args))  # another rank
+    assert first_token_ids(Coverage(), 7, 0, 0, **args).shape == (0, 1)

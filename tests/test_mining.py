@@ -111,3 +111,25 @@ def test_a_vanilla_control_skips_the_sweep(run_config):
     assert [r for r in lines if r.get("event") == "mine"] == [
         {"event": "mine", "step": 2, "skipped": "vanilla: every norm is real"}]
     assert json.loads((out / "mined_ids.json").read_text()) == {"2": []}
+
+
+def test_a_run_with_one_token_rows_trains_and_logs_their_hinge_apart(run_config):
+    cov = {"rows": 1, "ratio": 1.2, "start": 0, "max_grad_share": 0.3, "first_token_rows": 8}
+    config = with_overrides(run_config(max_steps=12), {"train.coverage": cov, "train.distill_alpha": 0.5,
+                                                       "train.eval_every": 0, "train.log_every": 1})
+    out = run(config, progress=False).output_dir
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "first_tail" in r]
+    assert len(steps) == 12 and np.isfinite([r["first_tail"] for r in steps]).all()
+    assert any(r["first_tail"] > 0 and r["first_share"] > 0 for r in steps)  # the hinge fired and had a gradient
+    plain = with_overrides(run_config(max_steps=12), {"train.coverage": {**cov, "first_token_rows": 0}})
+    assert "first_tail" not in objective_record_keys(plain)
+
+
+def objective_record_keys(config) -> set:
+    """The keys a run of `config`'s objective would log (no training)."""
+    from lnfree.removal.losses.objective import TERMS, Objective
+
+    objective = object.__new__(Objective)
+    objective.train, objective.teacher = config.train, None
+    return set(objective.record([0.0] * (len(TERMS) + 1)))

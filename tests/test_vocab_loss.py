@@ -196,3 +196,38 @@ def test_a_run_with_the_chunked_loss_logs_the_plain_runs_losses(run_config, tmp_
     for a, b in zip(*logs):
         for term in ("loss", "ce", "kl", "aux", "grad_norm"):
             assert b[term] == pytest.approx(a[term], rel=1e-4, abs=1e-6), (a["step"], term)
+
+
+def test_the_coverage_hinge_reads_position_0_only_in_rows_without_bos_where_asked():
+    student, objective, _ = objective_pair(False)
+    gen = torch.Generator().manual_seed(5)
+    text, rows = torch.randint(0, 64, (2, 12), generator=gen), torch.randint(1, 64, (2, 12), generator=gen)
+    rows[:, 0] = 0  # both rows "BOS-led" when the family's BOS is id 0
+    with torch.no_grad():
+        student.get_submodule(architecture(student).token_embedding).weight[0] *= 50  # a first token far too large
+    objective(student, text, (None,) * len(TAILS))  # the text's typical scales
+    hinge = TERMS.index("cov_tail")
+    cov = objective.train.coverage
+    flagged = cov.model_copy(update={"no_bos_position0": True})
+    with torch.no_grad():
+        off = objective.coverage(student, rows, cov, bos=0)[1][hinge]
+        on_with_bos = objective.coverage(student, rows, flagged, bos=0)[1][hinge]
+        on_without_bos = objective.coverage(student, rows, flagged, bos=63)[1][hinge]
+    assert on_with_bos == off
+    assert on_without_bos > off + 1
+
+
+def test_one_token_rows_are_hinged_at_their_only_token():
+    student, objective, _ = objective_pair(False)
+    gen = torch.Generator().manual_seed(6)
+    text = torch.randint(0, 64, (2, 12), generator=gen)
+    objective(student, text, (None,) * len(TAILS))
+    cov = objective.train.coverage.model_copy(update={"first_token_rows": 4})
+    rows = torch.tensor([[1], [2], [3], [4]])
+    hinge = TERMS.index("first_tail")
+    with torch.no_grad():
+        clean = objective.first_tokens(student, rows, cov)[1][hinge]
+        student.get_submodule(architecture(student).token_embedding).weight[3] *= 50
+        loss, terms = objective.first_tokens(student, rows, cov)
+    assert terms[hinge] > clean + 1 and loss == cov.weight * terms[hinge]
+    assert terms[TERMS.index("cov_tail")] == 0 and terms[TERMS.index("cov_kl")] == 0

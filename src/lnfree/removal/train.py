@@ -39,7 +39,7 @@ from lnfree.arch.base import Architecture
 from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import Coverage, cap_share, gradients
+from lnfree.removal.losses.coverage import Coverage, cap_share, first_token_ids, gradients
 from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.removal.launch import make_accelerator, quiet_libraries
@@ -413,12 +413,21 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
 def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage) -> torch.Tensor:
     """The generated rows of `step` (`lnfree.removal.losses.coverage`, settings `cov`), after the text's
     gradients, their gradient capped at `max_grad_share` of the text's (`_capped_backward`; the uncapped
-    share in `cov_share`)."""
+    share in `cov_share`); then its one-token rows, if any, capped at that share of all before them
+    (`first_share`)."""
     device = s.accelerator.device
     passes = (_evaluated(lambda micro=micro: objective.coverage(model, s.coverage_rows(step, micro, cov).to(device),
-                                                                cov))
+                                                                cov, s.data.bos_token_id))
               for micro in range(s.batches.accumulation))
-    return _capped_backward(s, model, passes, cov.max_grad_share, "cov_share")
+    totals = _capped_backward(s, model, passes, cov.max_grad_share, "cov_share")
+    if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
+        vocab, rank = s.model.config.vocab_size, s.accelerator.process_index
+        first = (_evaluated(lambda micro=micro: objective.first_tokens(
+                     model, first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=s.config.train.seed).to(device),
+                     cov))
+                 for micro in range(s.batches.accumulation))
+        totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share")
+    return totals
 
 
 def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],

@@ -25,7 +25,13 @@ found by a short sweep over the whole vocabulary
 `replay_share` of the repeated rows then repeats one of them instead of a uniform id. With `mine`, the run
 itself sweeps a part of the vocabulary when the setting starts and replays what it finds (kept in the
 run folder's `mined_ids.json`); with `mine.random` it also sweeps the part in rows of random ids, and
-`replay_random` puts the replayed ids into a share of the random rows as well. Like the other
+`replay_random` puts the replayed ids into a share of the random rows as well.
+
+**Position 0 without BOS.** A token at position 0 attends to itself only, so what it writes there is a function of
+its id; a recipe whose text always starts with BOS never trains that position for any other id, and half of Gemma 3
+270M's vocabulary ran away there in its LN-free model (`experiments/robust/position0_sweep.py`).
+`first_token_rows` adds one-token rows of random ids, the hinge at their only token, in a forward and a gradient
+cap of their own (`first_token_ids`, `Objective.first_tokens`). Like the other
 step-dependent losses, `train.coverage` may be a list of settings by `start`, so a run can mine and
 replay from a later step on.
 """
@@ -45,6 +51,8 @@ from lnfree.removal.mining import Mining
 
 #: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
 _STREAM = 7919
+#: Mixes into the one-token rows' seed (`first_token_ids`), apart from the other rows' stream.
+_FIRST_STREAM = 7927
 #: The shortest span a copy row repeats (`Coverage.copy_share`); the longest is half the row.
 COPY_SPAN_MIN = 4
 #: The share of a random row's positions that hold replayed ids (`Coverage.replay_random`): most of the
@@ -79,6 +87,12 @@ class Coverage(BaseModel):
     no_bos_share: float = Field(0.0, ge=0, le=1, description="share of the rows that do not start with BOS (a "
                                 "family that reads one; its first token is then the row's own id): users who "
                                 "tokenise without special tokens feed such input")
+    no_bos_position0: bool = Field(False, description="hinge position 0 too in the rows without BOS: their first "
+                                   "token is an ordinary id, alone at position 0 (which the hinge otherwise leaves "
+                                   "to `train.position0_tail`, written for BOS)")
+    first_token_rows: int = Field(0, ge=0, description="one-token rows of uniform random ids (no BOS) per micro-step, "
+                                  "in a forward of their own: the hinge at their only token, position 0, where input "
+                                  "without BOS puts its first token; their gradient capped apart at max_grad_share")
     mine: Mining | None = Field(
         None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
         "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
@@ -121,6 +135,15 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
     return torch.from_numpy(rows)
 
 
+def first_token_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, vocab_size: int,
+                    seed: int) -> torch.Tensor:
+    """The one-token rows (`first_token_rows`, 1) of one micro-step: uniform random ids, a pure function of
+    the arguments (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so
+    what it writes there depends on its id alone: these rows bound position 0 for every input without BOS."""
+    rng = np.random.default_rng([seed, _FIRST_STREAM, step, micro_step, rank])
+    return torch.from_numpy(rng.integers(0, vocab_size, (coverage.first_token_rows, 1)))
+
+
 def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
                        kind: str) -> list[torch.Tensor]:
     """Per norm input, the detached mean log scale of the text's tokens (neither position 0 nor EOT)."""
@@ -130,16 +153,19 @@ def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_
     return [(torch.sqrt(second_moment(x.detach().float(), kind) + 1e-12).log() * weights).sum() for x in inputs]
 
 
-def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind: str, ratio: float) -> torch.Tensor:
-    """Sum over norm inputs and tokens (position 0 aside) of max(0, log(scale) − typical − log `ratio`)²,
-    per sequence, against real text's typical log scale at each input."""
+def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind: str, ratio: float,
+                   position0: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over norm inputs and tokens (position 0 aside, except in the rows where the bool mask `position0`
+    is set) of max(0, log(scale) − typical − log `ratio`)², per sequence, against real text's typical log
+    scale at each input."""
     if len(inputs) != len(typical):
         raise RuntimeError(f"{len(inputs)} norm inputs on the generated rows, {len(typical)} on the text")
     total = torch.zeros((), device=inputs[0].device)
     for x, log_typical in zip(inputs, typical):
         log_scale = torch.sqrt(second_moment(x.float(), kind) + 1e-12).log()
-        excess = log_scale[:, 1:] - log_typical - math.log(ratio)
-        total = total + excess.clamp_min(0).pow(2).sum()
+        excess = (log_scale - log_typical - math.log(ratio)).clamp_min(0)
+        first = excess[:, :1] * position0.to(excess.device)[:, None] if position0 is not None else excess[:, :0]
+        total = total + excess[:, 1:].pow(2).sum() + first.pow(2).sum()
     return total / inputs[0].shape[0]
 
 

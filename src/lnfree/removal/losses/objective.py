@@ -64,7 +64,7 @@ from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, voc
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "attn",
-         "margin", "margin_share", "cov_kl", "cov_tail", "cov_share")
+         "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
          "gain": "neuron_gain", "margin": "stability_margin", "growth": "local_growth", "attn": "attention_kl"}
@@ -216,7 +216,7 @@ class Objective:
                 + weights[4] * gain + weights[5] * growth + weights[6] * attn)
         zero = torch.zeros_like(ce)
         terms = (loss, ce, aux, kl, spread, heads, excess, excess0, silence, beyond, gain, growth, attn,
-                 zero, zero, zero, zero, zero)
+                 zero, zero, zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
     def after_step(self, step: int) -> None:
@@ -225,19 +225,33 @@ class Objective:
         if bound is not None and bound.project:
             project_gains(self.gain_weights, bound.ratio)
 
-    def coverage(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage) -> tuple[torch.Tensor, torch.Tensor]:
+    def coverage(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage, bos: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, the `TERMS`) of the generated rows `input_ids` (`lnfree.removal.losses.coverage`, settings
-        `cov`), after a text micro-batch: KL to the teacher and the hinge against that text's typical scales,
-        no CE; the norms' σ statistics paused."""
+        `cov`; `bos` the family's BOS id, if it reads one), after a text micro-batch: KL to the teacher and the
+        hinge against that text's typical scales, no CE; the norms' σ statistics paused."""
         bare = self.norm_inputs.model
         with surgery.statistics_paused(bare), self.norm_inputs.capturing():
             output = self._forward(model, input_ids, labels=False)
-        hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio)
+        position0 = input_ids[:, 0] != bos if cov.no_bos_position0 and bos is not None else None
+        hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, position0)
         vocab, _, kl = self._vocab_terms(output, input_ids, 0.0, cov.kl_weight, labels=False)
         loss = vocab + cov.weight * hinge
         terms = [torch.zeros_like(hinge)] * len(TERMS)
         terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
+
+    def first_tokens(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss, the `TERMS`) of one-token rows `input_ids` (`Coverage.first_token_rows`), after a text
+        micro-batch: the coverage hinge at their only token, position 0, against that text's typical scales;
+        no KL, the norms' σ statistics paused."""
+        with surgery.statistics_paused(self.norm_inputs.model), self.norm_inputs.capturing():
+            self._forward(model, input_ids, labels=False)
+        every = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
+        hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, every)
+        terms = [torch.zeros_like(hinge)] * len(TERMS)
+        terms[0], terms[TERMS.index("first_tail")] = cov.weight * hinge, hinge
+        return cov.weight * hinge, torch.stack([t.detach() for t in terms])
 
     @contextlib.contextmanager
     def margin(self, model: nn.Module, input_ids: torch.Tensor, site: tuple[int, int], setting: StabilityMargin,
@@ -326,6 +340,8 @@ class Objective:
             del record["head_scale"]
         if self.train.coverage is None:
             del record["cov_kl"], record["cov_tail"], record["cov_share"]
+        if not any(piece.first_token_rows for piece in pieces(self.train.coverage)):
+            del record["first_tail"], record["first_share"]
         for term, field in TAILS.items():
             if getattr(self.train, field) is None:
                 del record[term]

@@ -1,0 +1,75 @@
+"""Which ids run away alone at position 0, where a sequence without BOS puts its first token (issue 37).
+
+Without BOS, the LN-free Gemma 3 270M goes non-finite on about a third of the validation sequences, and in 85 %
+of them the token that runs away is the first (`first_nonfinite.py`). A token at position 0 attends to itself
+only, so what it writes there is a function of its id alone: one forward of every id as a one-token row
+measures position 0 for every sequence without BOS at once (a few CPU-minutes for 262,144 ids). Each id's
+largest residual norm over the envelope of the validation half (BOS-led, as `lnfree.removal.mining`):
+
+    python experiments/robust/position0_sweep.py MODEL [MODEL ...] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lnfree.data.documents import bos_token
+from lnfree.evaluate import load_models
+from lnfree.evaluate.datasets import load_sequences, resolve_dataset
+from lnfree.removal.mining import OVERFLOW_RATIO, residual_norms, residual_stream, text_envelope
+
+CONTEXT = 64
+
+
+@torch.no_grad()
+def position0_ratio(model: torch.nn.Module, vocab_size: int, limits: torch.Tensor, batch_size: int = 4096) -> np.ndarray:
+    """Per id, its largest residual norm over `limits` as a one-token row (inf where non-finite), bf16 autocast."""
+    out = []
+    for start in tqdm(range(0, vocab_size, batch_size), desc="ids at position 0", unit="batch"):
+        rows = torch.arange(start, min(start + batch_size, vocab_size))[:, None]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stream, _ = residual_stream(model, rows, head=False)
+        out.append((residual_norms(stream)[:, :, 0] / limits.clamp_min(1e-30)[:, None]).amax(dim=0))
+    return torch.cat(out).numpy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    record = {"envelope": "realtext-val (BOS-led, whole validation half)", "overflow_ratio": OVERFLOW_RATIO, "models": {}}
+    for source in args.models:
+        model = load_models([source])[0]
+        bos = bos_token(model.module.config, model.tokenizer)
+        text = load_sequences(resolve_dataset("realtext-val"), model.tokenizer, context=CONTEXT, n_sequences=None,
+                              vocab_size=model.vocab_size, bos_token_id=bos)
+        start = time.process_time()
+        limits = text_envelope(model.module, torch.from_numpy(text), bf16=True)
+        ratio = position0_ratio(model.module, model.vocab_size, limits)
+        over = np.flatnonzero(ratio > OVERFLOW_RATIO)
+        worst = over[np.argsort(-ratio[over], kind="stable")]
+        record["models"][source] = {
+            "ids": len(ratio), "overflow": len(over), "nonfinite": int((~np.isfinite(ratio)).sum()),
+            "ratio_quantiles": {str(q): float(np.quantile(ratio[np.isfinite(ratio)], q)) for q in (0.5, 0.9, 0.99)},
+            "worst": [[int(i), model.tokenizer.decode([int(i)]), float(ratio[i]) if np.isfinite(ratio[i]) else "inf"]
+                      for i in worst[:30]],
+            "cpu_seconds": round(time.process_time() - start, 1),
+        }
+        summary = {k: v for k, v in record["models"][source].items() if k != "worst"}
+        print(source, json.dumps(summary))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
