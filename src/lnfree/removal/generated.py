@@ -19,7 +19,7 @@ from lnfree.data.documents import TokenData, bos_token
 from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.removal.config import RunConfig
 from lnfree.removal.layout import MINED
-from lnfree.removal.losses.coverage import coverage_ids
+from lnfree.removal.losses.coverage import coverage_ids, first_token_ids
 from lnfree.removal.losses.massive import pieces, tail_at
 from lnfree.removal.mining import MinedIds, mine
 from lnfree.removal.resolve import RunError
@@ -35,8 +35,12 @@ def coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, 
     outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
     if outside:
         raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
-    return (lambda step, micro, cov: coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
-                                                  seed=config.train.seed, replay=mined.replay(cov))), mined
+    def rows(step: int, micro: int, cov, first: bool = False):  # first: the setting's one-token rows
+        if first:
+            return first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=config.train.seed)
+        return coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
+                            seed=config.train.seed, replay=mined.replay(cov))
+    return rows, mined
 
 
 def mine_if_due(config: RunConfig, accelerator: Accelerator, data: TokenData, mined: MinedIds, log, bare: nn.Module,

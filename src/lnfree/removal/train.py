@@ -4,16 +4,16 @@ One optimiser step: apply this step's removal actions (`lnfree.removal.timeline`
 instant or gradual), run the micro-batches on the run's loss (`lnfree.removal.losses.objective`: cross-entropy,
 distillation to the frozen original, the auxiliary, scale and tail terms; bf16 autocast over fp32 weights on GPU),
 clip, step AdamW at the warm-up/cosine learning rate (then bound the MLP neurons' gains where `train.neuron_gain`
-projects), then fold the gathered per-token statistics into every real norm's σ (pooled over ranks). Data and
-learning rate are pure functions of the step and the timeline's state is checkpointed, so a run resumed from any
-checkpoint continues exactly. Checkpoints are written to a temporary folder and renamed when complete, so a kill
-loses at most the steps since the last one. Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate
-launch``: DDP, or FSDP through an accelerate config).
+projects), then fold the gathered per-token statistics into every real norm's σ (pooled over ranks). Data and learning
+rate are pure functions of the step and the timeline's state is checkpointed, so a run resumed from any checkpoint
+continues exactly. Checkpoints are written to a temporary folder and renamed when complete, so a kill loses at most
+the steps since the last one. Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate launch``: DDP, or
+FSDP through an accelerate config).
 
-The pieces live beside it: `lnfree.removal.resolve` (the config resolved against the model),
-`lnfree.removal.launch` (the accelerator and its processes), `lnfree.removal.runfolder` (opening the run folder),
-`lnfree.removal.preparation` (model, teacher, autocast, optimiser), `lnfree.removal.records` (held-out measurements
-and the log), `lnfree.removal.checkpointing` (save and resume). Their public names are importable from here too.
+The pieces live beside it: `lnfree.removal.resolve` (the config resolved against the model), `lnfree.removal.launch`
+(the accelerator and its processes), `lnfree.removal.runfolder` (opening the run folder), `lnfree.removal.preparation`
+(model, teacher, autocast, optimiser), `lnfree.removal.records` (held-out measurements and the log),
+`lnfree.removal.checkpointing` (save and resume). Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from lnfree.arch.base import Architecture
 from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import Coverage, cap_share, first_token_ids, gradients
+from lnfree.removal.losses.coverage import Coverage, cap_share, gradients
 from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
 from lnfree.removal.launch import make_accelerator, quiet_libraries
@@ -411,21 +411,12 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
 
 
 def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage) -> torch.Tensor:
-    """The generated rows of `step` (`lnfree.removal.losses.coverage`, settings `cov`), after the text's
-    gradients, their gradient capped at `max_grad_share` of the text's (`_capped_backward`; the uncapped
-    share in `cov_share`); then its one-token rows, if any, capped at that share of all before them
-    (`first_share`)."""
-    device = s.accelerator.device
-    passes = (_evaluated(lambda micro=micro: objective.coverage(model, s.coverage_rows(step, micro, cov).to(device),
-                                                                cov, s.data.bos_token_id))
-              for micro in range(s.batches.accumulation))
-    totals = _capped_backward(s, model, passes, cov.max_grad_share, "cov_share")
+    """`step`'s generated rows (`lnfree.removal.losses.coverage`, settings `cov`), then its one-token rows, after the text's gradients, each capped apart at `max_grad_share` of the gradient before them (uncapped share: `cov_share`, `first_share`)."""
+    micros, device, bos = range(s.batches.accumulation), s.accelerator.device, s.data.bos_token_id
+    rows = (_evaluated(lambda m=m: objective.coverage(model, s.coverage_rows(step, m, cov).to(device), cov, bos)) for m in micros)
+    totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share")
     if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
-        vocab, rank = s.model.config.vocab_size, s.accelerator.process_index
-        first = (_evaluated(lambda micro=micro: objective.first_tokens(
-                     model, first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=s.config.train.seed).to(device),
-                     cov))
-                 for micro in range(s.batches.accumulation))
+        first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True).to(device), cov)) for m in micros)
         totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share")
     return totals
 
