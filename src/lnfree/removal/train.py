@@ -4,16 +4,16 @@ One optimiser step: apply this step's removal actions (`lnfree.removal.timeline`
 instant or gradual), run the micro-batches on the run's loss (`lnfree.removal.losses.objective`: cross-entropy,
 distillation to the frozen original, the auxiliary, scale and tail terms; bf16 autocast over fp32 weights on GPU),
 clip, step AdamW at the warm-up/cosine learning rate (then bound the MLP neurons' gains where `train.neuron_gain`
-projects), then fold the gathered per-token statistics into every real norm's σ (pooled over ranks). Data and learning
-rate are pure functions of the step and the timeline's state is checkpointed, so a run resumed from any checkpoint
-continues exactly. Checkpoints are written to a temporary folder and renamed when complete, so a kill loses at most
-the steps since the last one. Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate launch``: DDP, or
-FSDP through an accelerate config).
+projects), then fold the gathered per-token statistics into every real norm's σ (pooled over ranks). Data and
+learning rate are pure functions of the step and the timeline's state is checkpointed, so a run resumed from any
+checkpoint continues exactly. Checkpoints are written to a temporary folder and renamed when complete, so a kill
+loses at most the steps since the last one. Multi-GPU runs go through accelerate (``torchrun`` or ``accelerate
+launch``: DDP, or FSDP through an accelerate config).
 
-The pieces live beside it: `lnfree.removal.resolve` (the config resolved against the model), `lnfree.removal.launch`
-(the accelerator and its processes), `lnfree.removal.runfolder` (opening the run folder), `lnfree.removal.preparation`
-(model, teacher, autocast, optimiser), `lnfree.removal.records` (held-out measurements and the log),
-`lnfree.removal.checkpointing` (save and resume). Their public names are importable from here too.
+The pieces live beside it: `lnfree.removal.resolve` (the config resolved against the model),
+`lnfree.removal.launch` (the accelerator and its processes), `lnfree.removal.runfolder` (opening the run folder),
+`lnfree.removal.preparation` (model, teacher, autocast, optimiser), `lnfree.removal.records` (held-out measurements
+and the log), `lnfree.removal.checkpointing` (save and resume). Their public names are importable from here too.
 """
 
 from __future__ import annotations
