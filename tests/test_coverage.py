@@ -206,3 +206,14 @@ def test_one_token_rows_are_a_pure_function_of_the_step_and_apart_from_the_other
     assert not torch.equal(rows, first_token_ids(cov, 8, 0, 0, **args))
     assert not torch.equal(rows, first_token_ids(cov, 7, 0, 1, **args))  # another rank
     assert first_token_ids(Coverage(), 7, 0, 0, **args).shape == (0, 1)
+
+
+def test_one_token_rows_draw_their_text_share_from_the_micro_batch():
+    text = torch.full((4, 16), 5000)  # ids the uniform draw over 1000 never gives
+    args = dict(vocab_size=1000, seed=3, text=text)
+    rows = first_token_ids(Coverage(first_token_rows=64, first_text_share=0.25), 7, 0, 0, **args)
+    assert rows.shape == (64, 1) and (rows == 5000).sum() == 16 and rows[16:].max() < 1000
+    uniform = first_token_ids(Coverage(first_token_rows=64), 7, 0, 0, **args)
+    assert torch.equal(rows[16:], uniform[16:])  # the uniform part is the same stream
+    assert torch.equal(first_token_ids(Coverage(first_token_rows=64, first_text_share=1.0), 7, 0, 0, vocab_size=1000,
+                                       seed=3), uniform)  # no text given: all uniform

@@ -114,7 +114,8 @@ def test_a_vanilla_control_skips_the_sweep(run_config):
 
 
 def test_a_run_with_one_token_rows_trains_and_logs_their_hinge_apart(run_config):
-    cov = {"rows": 1, "ratio": 1.2, "start": 0, "max_grad_share": 0.3, "first_token_rows": 8}
+    cov = {"rows": 1, "ratio": 1.2, "start": 0, "max_grad_share": 0.3, "first_token_rows": 8,
+           "first_text_share": 0.5}
     config = with_overrides(run_config(max_steps=12), {"train.coverage": cov, "train.distill_alpha": 0.5,
                                                        "train.eval_every": 0, "train.log_every": 1})
     out = run(config, progress=False).output_dir
@@ -133,3 +134,23 @@ def objective_record_keys(config) -> set:
     objective = object.__new__(Objective)
     objective.train, objective.teacher = config.train, None
     return set(objective.record([0.0] * (len(TERMS) + 1)))
+
+
+def test_cpu_hours_counts_a_mining_that_a_resume_dropped(tmp_path):
+    from lnfree.removal.layout import LOG
+    from lnfree.removal.records import cpu_hours
+
+    def hours(*records):
+        (tmp_path / LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
+        return cpu_hours(tmp_path)
+
+    trained = [{"step": 10, "cpu_seconds": 3600.0}, {"event": "mine", "step": 10, "cpu_seconds": 1800.0}]
+    # one process: its clock ran through the mining
+    assert hours(*trained, {"step": 15, "cpu_seconds": 5500.0}, {"event": "end", "step": 20, "cpu_seconds": 7200.0}) == 2.0
+    # resumed from step 10's checkpoint (taken before the mining), the ids already mined: the clock lost it
+    resumed = [*trained, {"event": "resume", "step": 10}, {"event": "end", "step": 20, "cpu_seconds": 5400.0}]
+    assert hours(*resumed) == 2.0
+    # mined again after the resume: counted once, by the new clock
+    again = [*trained, {"event": "resume", "step": 10}, {"event": "mine", "step": 10, "cpu_seconds": 1800.0},
+             {"event": "end", "step": 20, "cpu_seconds": 7200.0}]
+    assert hours(*again) == 2.0

@@ -146,10 +146,28 @@ class RunLog:
 
 
 def cpu_hours(run: Path) -> float:
-    """Process CPU time of a run's training in hours, resumes included: the largest `cpu_seconds` in its
-    log (`LOG`), rounded to 3 decimals (0 for a log written before lnfree recorded it)."""
+    """Process CPU time of a run's training in hours, resumes included: the largest `cpu_seconds` of its
+    training records (`LOG`), plus each vocabulary mining that a resume dropped from that clock, rounded to
+    3 decimals (0 for a log written before lnfree recorded it)."""
     records = [json.loads(line) for line in (Path(run) / LOG).read_text().splitlines() if line.strip()]
-    return round(max((r.get("cpu_seconds", 0.0) for r in records), default=0.0) / 3600, 3)
+    training = max((r.get("cpu_seconds", 0.0) for r in records if r.get("event") in (None, "end")), default=0.0)
+    return round((training + _dropped_mining(records)) / 3600, 3)
+
+
+def _dropped_mining(records: list[dict]) -> float:
+    """CPU seconds of the minings that no checkpoint holds: a mining runs after step s's checkpoint, so a
+    process resumed from a checkpoint at or before s starts its clock without it, and skips the mining when
+    the ids are already in the run folder (no later mining at that step)."""
+    dropped = 0.0
+    for i, record in enumerate(records):
+        if record.get("event") != "mine" or "cpu_seconds" not in record:
+            continue
+        later = records[i + 1:]
+        resumed = any(r.get("event") == "resume" and r["step"] <= record["step"] for r in later)
+        mined_again = any(r.get("event") == "mine" and r["step"] == record["step"] for r in later)
+        if resumed and not mined_again:
+            dropped += record["cpu_seconds"]
+    return dropped
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -392,31 +392,31 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     tails = objective.tails_at(step)
     margin = tails[list(TAILS).index("margin")]
-    texts = []  # the rows the stability margin perturbs
+    texts = []  # the micro-batches (the stability margin perturbs their first rows; one-token rows draw from them)
     for micro in range(accumulation):
         with contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model):
             ids = s.loader.get(step, micro)
             loss, terms = objective(model, ids, tails)
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
-        if margin is not None:
-            texts.append(ids[:margin.rows])
+        texts.append(ids)
     coverage = tail_at(s.config.train.coverage, step)
     if coverage is not None:
-        totals += _coverage_backward(s, model, objective, step, coverage)
+        totals += _coverage_backward(s, model, objective, step, coverage, texts)
     if margin is not None:
-        totals += _margin_backward(s, model, objective, step, texts, margin,
+        totals += _margin_backward(s, model, objective, step, [t[:margin.rows] for t in texts], margin,
                                    upcoming(margin.preview) if margin.preview else None)
     return totals
 
 
-def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage) -> torch.Tensor:
-    """`step`'s generated rows (`lnfree.removal.losses.coverage`, settings `cov`), then its one-token rows, after the text's gradients, each capped apart at `max_grad_share` of the gradient before them (uncapped share: `cov_share`, `first_share`)."""
+def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage,
+                       texts: list[torch.Tensor]) -> torch.Tensor:
+    """`step`'s generated rows (`lnfree.removal.losses.coverage`, settings `cov`), then its one-token rows (some drawn from `texts`, the step's micro-batches), after the text's gradients, each capped apart at `max_grad_share` of the gradient before them (uncapped share: `cov_share`, `first_share`)."""
     micros, device, bos = range(s.batches.accumulation), s.accelerator.device, s.data.bos_token_id
     rows = (_evaluated(lambda m=m: objective.coverage(model, s.coverage_rows(step, m, cov).to(device), cov, bos)) for m in micros)
     totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share")
     if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
-        first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True).to(device), cov)) for m in micros)
+        first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True, texts[m]).to(device), cov)) for m in micros)
         totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share")
     return totals
 

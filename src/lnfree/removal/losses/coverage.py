@@ -93,6 +93,9 @@ class Coverage(BaseModel):
     first_token_rows: int = Field(0, ge=0, description="one-token rows of uniform random ids (no BOS) per micro-step, "
                                   "in a forward of their own: the hinge at their only token, position 0, where input "
                                   "without BOS puts its first token; their gradient capped apart at max_grad_share")
+    first_text_share: float = Field(0.0, ge=0, le=1, description="share of the one-token rows whose id is drawn "
+                                    "from the text micro-batch before them (ids as frequent as in text: a uniform "
+                                    "draw reaches a frequent id as rarely as any other)")
     mine: Mining | None = Field(
         None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
         "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
@@ -136,12 +139,18 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
 
 
 def first_token_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, vocab_size: int,
-                    seed: int) -> torch.Tensor:
-    """The one-token rows (`first_token_rows`, 1) of one micro-step: uniform random ids, a pure function of
-    the arguments (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so
-    what it writes there depends on its id alone: these rows bound position 0 for every input without BOS."""
+                    seed: int, text: torch.Tensor | None = None) -> torch.Tensor:
+    """The one-token rows (`first_token_rows`, 1) of one micro-step, on `text`'s device: uniform random ids,
+    the first `first_text_share` of them tokens of the micro-batch `text` instead; a pure function of the
+    arguments (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so what it
+    writes there depends on its id alone: these rows bound position 0 for every input without BOS."""
     rng = np.random.default_rng([seed, _FIRST_STREAM, step, micro_step, rank])
-    return torch.from_numpy(rng.integers(0, vocab_size, (coverage.first_token_rows, 1)))
+    ids = torch.from_numpy(rng.integers(0, vocab_size, (coverage.first_token_rows, 1)))
+    drawn = round(coverage.first_text_share * coverage.first_token_rows) if text is not None else 0
+    if not drawn:
+        return ids
+    at = torch.from_numpy(rng.integers(0, text.numel(), drawn)).to(text.device)
+    return torch.cat([text.reshape(-1)[at][:, None], ids[drawn:].to(text.device)])
 
 
 def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
