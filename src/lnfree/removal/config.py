@@ -85,6 +85,10 @@ class TrainConfig(_Strict):
         "step takes ~0.1 s instead of ~0.45 s); false: the per-parameter loop of lnfree before 2026-11. A resumed "
         "run keeps the implementation its checkpoint was written with"
     )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon: torch's Muon (momentum orthogonalised, its update scaled to AdamW's RMS) for "
+        "the hidden weight matrices, AdamW for embeddings, the head and vectors (lnfree.removal.muon)"
+    )
     grad_clip: float = Field(1.0, gt=0)
     skip_grad_norm: float | None = Field(
         None, gt=0, description="skip the optimiser step (and log it) when the gradient norm before clipping exceeds "

@@ -1,7 +1,7 @@
 """The model and optimiser a run trains: the fixed-scale norms installed (a removal run), dropout,
 activation checkpointing and compiled blocks (`prepare_model`, `compile_blocks`), the distillation
 teacher, the mixed-precision autocast (`autocast_factory`) and its attention (`choose_attention`), a frozen
-token embedding (`freeze_token_embedding`) and AdamW (`make_optimizer`).
+token embedding (`freeze_token_embedding`) and the optimiser (`make_optimizer`: AdamW, or Muon with AdamW).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
 from lnfree.removal.config import RunConfig
 from lnfree.removal.losses.distill import load_teacher
+from lnfree.removal.muon import MuonWithAdamW, muon_matrices
 from lnfree.removal.precision import attention_in_fp32, auto_bf16, cpu_has_native_bf16, use_fp32_attention
 
 logger = logging.getLogger("lnfree")
@@ -90,12 +91,20 @@ def freeze_token_embedding(model: nn.Module) -> None:
     model.get_submodule(architecture(model).token_embedding).weight.requires_grad_(False)
 
 
-def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases, norm weights or embeddings' biases), fused
-    under `train.fused_optimizer`."""
+    under `train.fused_optimizer`; under `train.optimizer = "muon"` the hidden matrices take Muon instead."""
+    train = config.train
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
+    muon = muon_matrices(model, params) if train.optimizer == "muon" else []
+    if train.optimizer == "muon" and not muon:
+        raise ValueError("train.optimizer = 'muon' found no trained 2-D weight matrix besides embeddings and head")
+    taken = {id(p) for p in muon}
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in taken]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.train.learning_rate, betas=config.train.betas,
-                             fused=config.train.fused_optimizer or None)
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = train.fused_optimizer or None
+    if muon:
+        return MuonWithAdamW(muon, groups, lr=train.learning_rate, weight_decay=train.weight_decay,
+                             betas=train.betas, fused=fused)
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=train.betas, fused=fused)
