@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,6 +53,7 @@ def test_throughput_runs_lnfree_remove_with_and_without_the_steady_allocator(tmp
     assert "tokens / hour" in out.with_suffix(".txt").read_text()
 
 
+@pytest.mark.slow  # about a minute on a CPU without native bf16 (its bf16 profile is emulated there)
 def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path):
     from lnfree.removal.config import load_preset
 

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lnfree.removal.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about a minute on a CPU without native bf16, where its bf16 arm is emulated
 def test_a_config_file_runs_in_both_precisions_without_control_in_vanilla_mode(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny-distill").model_dump_json())

