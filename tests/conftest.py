@@ -9,7 +9,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+# pytest-xdist runs one worker per core (pyproject's addopts): the cores are shared out among the workers, and
+# the processes a test starts inherit the share
+THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(THREADS)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def small_gpt2(n_layer: int = 2, n_embd: int = 32, n_positions: int = 32, vocab_size: int = 64, seed: int = 0):

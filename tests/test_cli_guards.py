@@ -86,6 +86,7 @@ def test_push_without_a_token_or_a_network_says_what_to_do_in_one_line(tiny_ln_f
     assert "no Hugging Face token" in result.output and "hf auth login" in result.output
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at import: set where the tests' workers started
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -74,3 +76,15 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     copying = [i for i, c in enumerate(commands) if "experiments/robust/induction.py" in c]
     assert len(copying) == 1 and "--labels original vanilla ln_free" in commands[copying[0]]
     assert copying[0] > max(i for i, c in enumerate(commands) if c.startswith("lnfree stress"))
+
+
+def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_record(tmp_path):
+    spec = importlib.util.spec_from_file_location("robust_summary", ROOT / "experiments/robust/summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0}]
+    (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
+    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": "a CPU (avx512_bf16)"}
+    del records[0]["cpu"]  # a log from before lnfree recorded the CPU
+    (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
+    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": None}

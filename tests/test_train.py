@@ -19,6 +19,7 @@ from lnfree.forms.load import load
 from lnfree.models.base import ModelError
 from lnfree.removal.losses import objective as objective_module
 from lnfree.removal.layout import latest_checkpoint
+from lnfree.removal.precision import cpu_description
 from lnfree.removal.train import RunError, TrainingDiverged, micro_batches, run
 
 
@@ -199,6 +200,8 @@ def test_a_save_killed_midway_is_ignored_resume_continues_and_a_finished_run_is_
 
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, 17))  # nothing repeated
+    start = next(r for r in lines if r.get("event") == "start")  # what the run computed on, for its CPU hours
+    assert start["precision"] == "no" and start["cpu"] == cpu_description()
     removals = [(r["step"], r["slot"]) for r in lines if r.get("event") == "remove"]
     assert len(removals) == len(set(removals)) == len(resumed.events) == 7
     assert resumed.events == [r for r in lines if r.get("event") == "remove"]

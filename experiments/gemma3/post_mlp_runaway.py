@@ -16,7 +16,6 @@ tables.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from lnfree.fixedscale import surgery
 from lnfree.data.documents import bos_token, prepare_data
 from lnfree.forms.export import load_checkpoint
+from lnfree.evaluate.results import write_experiment
 
 
 def measure(model, tokens: torch.Tensor, tokenizer) -> dict:
@@ -54,9 +54,7 @@ def held_out(checkpoint: Path, n_sequences: int):
 
 def write_results(out: Path, result: dict, lines: list[str]) -> None:
     """`result` as results.json and `lines` as tables.md in `out` (created); the table is printed too."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "tables.md").write_text("\n".join(lines) + "\n")
+    write_experiment(result, lines, out)
     print("\n".join(lines))
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from lnfree.removal.config import DataConfig
 from lnfree.data.documents import bos_token, prepare_data
 from lnfree.removal.losses.massive import NormInputs
 from lnfree.models.base import load_base
+from lnfree.evaluate.results import write_experiment
 
 CENSUS_SEQUENCES = 320
 
@@ -162,9 +162,7 @@ def main() -> None:
               "norm_inputs": norm_input_scales(model, tokenizer, held_out[:8]),
               "census": census(model, tokenizer, train, depth, args.ratio)}
     result["single_fixes"] = single_fixes(model, data.eot_token_id, held_out[:8], held_out[8:])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "tables.md").write_text(tables(result))
+    write_experiment(result, tables(result), out)
     print(f"→ {out}")
 
 

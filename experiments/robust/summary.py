@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lnfree.evaluate.results import ce_headline
 from lnfree.removal.records import cpu_hours
-from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+from lnfree.removal.layout import LOG, RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
                  "repeated_probes", "vocab_overflow", "vocab_covered", "vocab_size", "max_growth_vs_first",
@@ -37,6 +37,12 @@ def position0(out: Path) -> dict:
     models = _json(out / "analysis" / "index.json")["analyses"]["residual"]["models"]
     return {label: {"per_layer": m["norm_ratio_position_0"],
                     "max_after_block_0": m["max_norm_ratio_position_0_after_block_0"]} for label, m in models.items()}
+
+
+def machine(run: Path) -> dict:
+    """The precision a run resolved to and its CPU (None in a log that predates the record), from its start record."""
+    start = next(r for r in map(json.loads, (run / LOG).read_text().splitlines()) if r.get("event") == "start")
+    return {"precision": start["precision"], "cpu": start.get("cpu")}
 
 
 def main() -> None:
@@ -68,6 +74,7 @@ def main() -> None:
         "position0_norm_ratio": position0(args.out),
         "tokens": config["train"]["max_steps"] * config["train"]["tokens_per_step"],
         "cpu_hours": {"ln_free": cpu_hours(run), "vanilla": cpu_hours(control)},
+        "machine": {tag: machine(folder) for tag, folder in (("ln_free", run), ("vanilla", control))},
         "command": args.command,
     }
     for source, tag in ((run, "ln_free"), (control, "vanilla")):

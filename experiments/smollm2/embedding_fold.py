@@ -16,7 +16,6 @@ model (σ measured on the model swept). Writes results.json and tables.md to --o
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from lnfree.data.documents import prepare_data
 from lnfree.fixedscale import surgery
 from lnfree.models.base import load_base
 from lnfree.removal.config import DataConfig
+from lnfree.evaluate.results import write_experiment
 
 
 def fold_embedding(model) -> dict:
@@ -70,9 +70,7 @@ def main() -> None:
         results["sweeps"][name] = rows
         lines += [f"## {name} (held-out CE, every norm real: {results[f'ce_{name}']:.4f}), ln_2 fixed bottom-up", "",
                   *table(rows), ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text("\n".join(lines))
+    write_experiment(results, lines, args.out)
     print(f"-> {args.out}")
 
 

@@ -29,6 +29,7 @@ from lnfree.removal.config import DataConfig
 from lnfree.data.documents import prepare_data
 from lnfree.removal.losses.massive import Neuron, scale_neurons
 from lnfree.models.base import load_base
+from lnfree.evaluate.results import write_experiment
 
 RUNAWAY = 10.0  # residual growth over the all-real model that counts a token as running away
 GPU_NEURONS = Path("experiments/results/smollm2-135m/gpu/gpu/massive_neurons.json")
@@ -132,9 +133,7 @@ def main() -> None:
             print(key, flush=True)
             results["sweeps"][key] = sweep(model, tokens, tokenizer, order)
             lines += [f"## {key.replace('_', ' ')}", "", *table(results["sweeps"][key]), ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text("\n".join(lines))
+    write_experiment(results, lines, args.out)
     print(f"→ {args.out}")
 
 

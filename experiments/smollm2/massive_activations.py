@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from lnfree.arch import architecture
 from lnfree.removal.config import DataConfig
 from lnfree.data.documents import prepare_data
 from lnfree.models.base import load_base
+from lnfree.evaluate.results import write_experiment
 
 CENSUS_SEQUENCES = 320
 CENSUS_LAYER = 15
@@ -177,9 +177,7 @@ def main() -> None:
     result = {"position0_ratios": ratios, "census": census(model, tokenizer, train),
               "muting": muting(model, held_out[8:], (channels + [c for c in (247, 14, 100) if c not in channels])[:3])}
     result["single_fixes"] = single_fixes(model, tokenizer, held_out[:8], held_out[8:])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    (args.out / "tables.md").write_text(tables(result))
+    write_experiment(result, tables(result), args.out)
     print(f"→ {args.out}")
 
 

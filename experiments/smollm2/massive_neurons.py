@@ -38,6 +38,7 @@ from lnfree.removal.layout import LOG
 from lnfree.removal.losses.massive import find_massive_neurons, massive_scales, scale_neurons
 from lnfree.models.base import load_base
 from lnfree.removal.layout import checkpoints
+from lnfree.evaluate.results import write_experiment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modern"))
 from scales_over_training import figure, scales_over_training  # noqa: E402  (one home for it)
@@ -163,9 +164,7 @@ def main() -> None:
         result["ln2_top_down"]["end_of_damping"] = ln2_fixed_top_down(damped, tokenizer, train, held_out)
         result["end_of_damping_checkpoint"] = str(checkpoint)
         result["over_training"] = scales_over_training(args.run / LOG)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "tables.md").write_text(tables(result))
+    write_experiment(result, tables(result), args.out)
     if "over_training" in result:
         figure(result["over_training"], args.out, "SmolLM2-135M (damped removal)")
     print(tables(result))

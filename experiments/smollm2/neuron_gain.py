@@ -14,13 +14,13 @@ Writes results.json and tables.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from lnfree.forms.load import load
 from lnfree.removal.losses.gain import GainWeights
+from lnfree.evaluate.results import write_experiment
 
 NAMED = {1: [83], 2: [90, 430, 701], 3: [667], 11: [1229, 1487], 27: [903], 28: [678]}
 
@@ -69,9 +69,7 @@ def main() -> None:
              "direction once that norm is fixed). Ranks count from 1 within the block.", ""]
     for label, rows in results.items():
         lines += markdown(label, rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text("\n".join(lines))
+    write_experiment(results, lines, args.out)
     print("\n".join(lines))
 
 

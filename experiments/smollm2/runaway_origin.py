@@ -30,6 +30,7 @@ from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.forms.export import load_checkpoint
 from lnfree.removal.config import DataConfig
 from lnfree.removal.losses.massive import captured_input
+from lnfree.evaluate.results import write_experiment
 
 
 def run_bos(checkpoint: Path) -> str:
@@ -139,9 +140,7 @@ def main() -> None:
         results[label] = {"checkpoint": str(checkpoint),
                           **origins(model, tokenizer, data.eval_batch(args.n_sequences), args.ratio, args.shown)}
         lines += table(label, results[label])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text("\n".join(lines))
+    write_experiment(results, lines, args.out)
     print("\n".join(lines))
 
 

@@ -16,7 +16,6 @@ position 0). Writes results.json and tables.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from lnfree.arch import architecture
 from lnfree.data.documents import prepare_data
 from lnfree.models.base import load_base
 from lnfree.removal.config import DataConfig
+from lnfree.evaluate.results import write_experiment
 
 
 def capture(model, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -117,9 +117,7 @@ def main() -> None:
     for w in writers[:25]:
         lines.append(f"| {w['block']} | {w['neuron']} | {w['peak_on_massive_tokens']:.3g} | {w['q99_elsewhere']:.3g} | "
                      f"{w['output_over_median_mlp_output']:.3g} | {w['massive_tokens_firing']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text("\n".join(lines) + "\n")
+    write_experiment(results, lines, args.out)
     print("\n".join(lines))
 
 

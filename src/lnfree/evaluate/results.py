@@ -115,6 +115,17 @@ def write_summary(summary: dict, out_dir: str | Path, name: str = "summary") -> 
     return path
 
 
+def write_experiment(result: dict, tables: str | Sequence[str], out_dir: str | Path) -> Path:
+    """An experiment script's record in `out_dir` (created): `result` as results.json and `tables` (markdown
+    text, or its lines) as tables.md; returns `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = tables if isinstance(tables, str) else "\n".join(tables)
+    (out / "tables.md").write_text(text if text.endswith("\n") else text + "\n")
+    return out
+
+
 def ce_headline(summary: dict, label: str) -> dict:
     """The headline of an `lnfree eval` summary (its summary.json, read as a dict) for the model `label`:
     every model's mean CE, the scored tokens per model, and `label` minus the reference model with its

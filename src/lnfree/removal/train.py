@@ -51,6 +51,7 @@ from lnfree.removal.generated import coverage_rows, mine_if_due
 from lnfree.removal.mining import MinedIds
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
+from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
     autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model,
 )
@@ -245,10 +246,9 @@ def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn
                             bos_token(model, tokenizer, config.data.bos))
     scored = data.scored_tokens(config.data.eval_sequences)
     if scored < config.data.min_held_out_tokens and accelerator.is_main_process:
-        logger.warning(
-            "the held-out CE averages only %s tokens (data.min_held_out_tokens = %s): it is noisy; raise "
-            "data.val_fraction or data.eval_sequences", f"{scored:,}", f"{config.data.min_held_out_tokens:,}",
-        )
+        logger.warning("the held-out CE averages only %s tokens (data.min_held_out_tokens = %s): it is noisy; "
+                       "raise data.val_fraction or data.eval_sequences", f"{scored:,}",
+                       f"{config.data.min_held_out_tokens:,}")
     return data, scored
 
 
@@ -267,7 +267,7 @@ def _start(s: _Setup) -> float:
            "mode": config.removal.mode, "precision": s.precision, "processes": accelerator.num_processes,
            "micro_batch_size": batches.micro_batch_size, "accumulation": batches.accumulation,
            "data": s.data.description, "data_stats": s.data.stats, "sigma_momentum_per_step": s.momentum,
-           "steady_allocator": s.steady, **s.held_out.scales()})
+           "steady_allocator": s.steady, "cpu": cpu_description(), **s.held_out.scales()})
     return ce_start
 
 
