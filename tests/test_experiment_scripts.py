@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,29 @@ def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_rec
     del records[0]["cpu"]  # a log from before lnfree recorded the CPU
     (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
     assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": None}
+
+
+def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp():
+    sys.path.insert(0, str(ROOT / "experiments/robust"))  # the probe imports its folder's gap split
+    try:
+        spec = importlib.util.spec_from_file_location("robust_temperature", ROOT / "experiments/robust/temperature.py")
+        probe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(probe)
+    finally:
+        sys.path.remove(str(ROOT / "experiments/robust"))
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows, length = 40, 96, 64
+    table = 2.0 * torch.randn(vocab, vocab, generator=generator)  # next-token logits after each token
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    for t in range(1, length):  # text drawn from the table itself: the control is calibrated
+        ids[:, t] = torch.multinomial(table[ids[:, t - 1]].softmax(-1), 1, generator=generator).squeeze(-1)
+    control = lambda x: types.SimpleNamespace(logits=table[x])  # noqa: E731
+    sharp = lambda x: types.SimpleNamespace(logits=1.25 * table[x])  # noqa: E731
+    ce = [probe.ce_by_temperature(model, ids, 16) for model in (control, sharp)]
+    result = probe.summarise(["control", "sharp"], ce)
+    assert abs(result["models"]["control"]["best_temperature"] - 1.0) <= 0.05
+    assert abs(result["models"]["sharp"]["best_temperature"] - 1.25) <= 0.05
+    gap = result["gaps"]["sharp"]["all"]
+    assert gap["at_1"] > 0.02 and abs(gap["at_best"]) < 0.2 * gap["at_1"]
+    assert set(result["gaps"]["sharp"]) == {"all", "1-3", "4-7", "8-15", "16-31", "32-63"}
