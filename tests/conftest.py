@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it at import, as in pytest-xdist's workers
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
 # pytest-xdist runs one worker per core (pyproject's addopts): the cores are shared out among the workers, and
 # the processes a test starts inherit the share
 THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
