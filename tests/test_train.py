@@ -285,6 +285,25 @@ def test_only_the_newest_checkpoints_are_kept_when_asked(run_config, tmp_path):
     assert len(list((everything.output_dir / "checkpoints").iterdir())) == 4
 
 
+def test_checkpoints_at_the_kept_steps_are_saved_and_never_pruned_and_a_run_may_resume_asking_for_them(
+        run_config, tmp_path):
+    config = with_overrides(run_config(max_steps=12, save_every=4, eval_every=0),
+                            {"removal.mode": "vanilla", "train.keep_checkpoints": 1, "train.keep_steps": [3, 4]})
+    result = run(config, progress=False)
+    kept = sorted(p.name for p in (result.output_dir / "checkpoints").iterdir())
+    assert kept == ["step_000003", "step_000004", "step_000012"]  # 3 off the cadence; 8 pruned, 4 kept
+    plain = with_overrides(config, {"train.keep_steps": [], "train.keep_checkpoints": None,
+                                    "output_dir": str(tmp_path / "plain")})
+    first = run(plain, progress=False)
+    shutil.rmtree(first.output_dir / "checkpoints" / "step_000012")  # as if stopped after step 8
+    resumed = run(with_overrides(plain, {"train.keep_steps": [10], "train.keep_checkpoints": 1}), resume=True,
+                  progress=False)
+    kept = sorted(p.name for p in (resumed.output_dir / "checkpoints").iterdir())
+    assert kept == ["step_000010", "step_000012"]
+    for name, value in result.model.state_dict().items():  # bookkeeping changes nothing of what is trained
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_run_resumes_with_another_eval_and_save_cadence_but_not_another_recipe(run_config):
     config = run_config(max_steps=12, save_every=6)
     first = run(config, progress=False)

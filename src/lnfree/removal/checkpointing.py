@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 from accelerate import Accelerator
 from torch import nn
 
 from lnfree.fixedscale import surgery
-from lnfree.removal.layout import CHECKPOINTS, PARTIAL, TRAINER_STATE, checkpoints
+from lnfree.removal.layout import CHECKPOINTS, PARTIAL, TRAINER_STATE, checkpoint_step, checkpoints
 from lnfree.removal.resolve import RunError
 from lnfree.removal.timeline import Timeline
 
@@ -23,12 +24,12 @@ logger = logging.getLogger("lnfree")
 
 def save_checkpoint(
     accelerator: Accelerator, model: nn.Module, out: Path, step: int, model_config, extra: dict | None = None,
-    keep: int | None = None,
+    keep: int | None = None, kept_steps: Collection[int] = (),
 ) -> Path:
     """Model (with removal buffers), optimiser and RNG states after `step` completed steps, plus `extra`.
 
     Written into a temporary folder that is renamed to `checkpoints/step_N` once complete; then only the
-    newest `keep` complete checkpoints stay (None: all).
+    newest `keep` complete checkpoints stay (None: all), besides those of `kept_steps`.
     """
     folder = out / CHECKPOINTS / f"step_{step:06d}"
     partial = folder.with_name(PARTIAL + folder.name)
@@ -48,8 +49,8 @@ def save_checkpoint(
             shutil.rmtree(folder)
         partial.rename(folder)
         if keep is not None:
-            complete, _ = checkpoints(out)
-            for old in complete[:-keep]:
+            prunable = [c for c in checkpoints(out)[0] if checkpoint_step(c) not in kept_steps]
+            for old in prunable[:-keep]:
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return folder

@@ -186,6 +186,10 @@ class TrainConfig(_Strict):
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N complete checkpoints (a big model's are GBs each); None: all"
     )
+    keep_steps: list[int] = Field(
+        [], description="checkpoints saved at these steps too, which keep_checkpoints never prunes: branch points "
+        "for pilots (a run may resume with other steps)"
+    )
     eval_every: int = Field(0, ge=0, description="held-out CE every N steps (0: start and end only)")
     log_every: int = Field(10, ge=1)
     report_to: list[Literal["wandb", "tensorboard"]] = []
@@ -203,6 +207,12 @@ class TrainConfig(_Strict):
             raise ValueError("train.attention_kl compares with the distillation teacher's attention: set "
                              "train.distill_alpha > 0")
         return self
+
+    def saves_after(self, done: int) -> bool:
+        """Whether a run saves a checkpoint after `done` steps, before its end (which always saves one): every
+        `save_every` steps, and at each of `keep_steps`."""
+        every = self.save_every > 0 and done % self.save_every == 0
+        return done < self.max_steps and (every or done in self.keep_steps)
 
 
 class RemovalConfig(_Strict):

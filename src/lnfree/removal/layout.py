@@ -31,6 +31,11 @@ MINED = "mined_ids.json"  # the ids `train.coverage.mine` found, by the step its
 RUN_OUTPUTS = (RUN_CONFIG, CHECKPOINTS, TOKENIZER, LOG, START, SUMMARY, EXPORT, CONTROL, MINED, "lnfree")
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step of a `checkpoints/step_N` folder."""
+    return int(folder.name[5:])
+
+
 def checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
     """(complete, incomplete) checkpoint folders of a run, oldest first.
 
@@ -38,7 +43,7 @@ def checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
     `step_N` folder without its trainer state).
     """
     folder = Path(output_dir) / CHECKPOINTS
-    steps = sorted((p for p in folder.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    steps = sorted((p for p in folder.glob("step_*") if p.name[5:].isdigit()), key=checkpoint_step)
     complete = [p for p in steps if (p / TRAINER_STATE).is_file()]
     return complete, [p for p in steps if p not in complete] + sorted(folder.glob(PARTIAL + "*"))
 

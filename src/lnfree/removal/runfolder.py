@@ -22,8 +22,8 @@ logger = logging.getLogger("lnfree")
 
 #: Config fields that change how a run is logged, evaluated or checkpointed, not what it trains: a run
 #: may resume with other values (the run config then records the new ones).
-BOOKKEEPING_FIELDS = {"train": ("eval_every", "log_every", "save_every", "keep_checkpoints", "report_to",
-                                "steady_allocator")}
+BOOKKEEPING_FIELDS = {"train": ("eval_every", "log_every", "save_every", "keep_checkpoints", "keep_steps",
+                                "report_to", "steady_allocator")}
 
 
 def prepare_output_dir(config: RunConfig, resume: bool, overwrite: bool, n_layer: int) -> list[str]:

@@ -53,8 +53,7 @@ from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
-    autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model,
-)
+    autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
     HeldOut, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, stop_if_diverged,
 )
@@ -148,7 +147,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         pending.append(torch.cat([totals, grad_norm.detach().reshape(1).to(totals)]))
 
         done = step + 1
-        saving = train.save_every and done % train.save_every == 0 and done != train.max_steps
+        saving = train.saves_after(done)
         logging_now = done % train.log_every == 0 or done == train.max_steps
         if logging_now or saving:  # before a non-finite model is saved
             stop_if_diverged(torch.stack(pending), done, timeline, out)
@@ -159,7 +158,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             s.log(eval_record(held_out, done, removal.ceiling_now))
         if saving:
             save_checkpoint(accelerator, bare, out, done, bare.config,
-                            {**clock.state(), "timeline": timeline.state_dict()}, train.keep_checkpoints)
+                            {**clock.state(), "timeline": timeline.state_dict()},
+                            train.keep_checkpoints, train.keep_steps)
     objective.remove()
     removal.finish(bare)
     return _finish(s, held_out, timeline, clock, ce_start)
@@ -491,7 +491,7 @@ def _finish(s: _Setup, held_out: HeldOut, timeline: Timeline, clock: _Clock, ce_
            **times, **held_out.scales()})
     checkpoint = save_checkpoint(accelerator, bare, s.out, train.max_steps, bare.config,
                                  {**times, "held_out_ce": ce_end, "timeline": timeline.state_dict()},
-                                 train.keep_checkpoints)
+                                 train.keep_checkpoints, train.keep_steps)
     if train.report_to:
         accelerator.end_training()
     records = [event_record(e, bare) for e in timeline.applied]  # the same on every process
