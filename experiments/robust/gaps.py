@@ -9,7 +9,10 @@ Each log is a run's log.jsonl (its in-training evaluations on the validation hal
 table gives each arm's CE (under the run's training-time ceiling, as logged), its gap to the control, each
 later arm's difference from the first, and the norms the first arm-with-removals fixed since the previous
 evaluation. A value whose model without the ceiling is not finite (or differs by more than 0.01) is marked †.
-With --windows, also each arm's mean gap per window of steps. Writes the tables to --out and prints them.
+With --windows, also each arm's mean gap per window of steps, and (with --shares) per window and run how often
+each capped gradient term (`margin_share`, `cov_share`, `first_share` in the training records: the term's gradient
+over the gradient before it, uncapped) exceeded its cap, and its median: how much of each update the auxiliary
+terms took. Writes the tables to --out and prints them.
 """
 
 from __future__ import annotations
@@ -88,6 +91,29 @@ def windows(control: dict[int, dict], arms: dict[str, tuple[dict[int, dict], lis
     return lines
 
 
+SHARES = ("cov_share", "first_share", "margin_share")
+
+
+def shares(logs: dict[str, Path], edges: list[int], cap: float) -> list[str]:
+    """Per window (a, b] and run, each capped term's share of the steps logged with it above `cap`, and its median
+    over those steps (a term a run does not log, or logs as 0 throughout the window, is left blank)."""
+    lines = ["| steps | run | " + " | ".join(f"{t}: above {cap} (median)" for t in SHARES) + " |",
+             "|" + "---|" * (len(SHARES) + 2)]
+    records = {label: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+               for label, path in logs.items()}
+    for a, b in zip(edges, edges[1:]):
+        for label, rows in records.items():
+            window = [r for r in rows if "loss" in r and a < r["step"] <= b]
+            cells = []
+            for term in SHARES:
+                values = sorted(r[term] for r in window if term in r)
+                active = values and values[-1] > 0
+                cells.append(f"{sum(v > cap for v in values) / len(values):.0%} ({values[len(values) // 2]:.3g})"
+                             if active else "")
+            lines.append(f"| {a + 1}–{b} | {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--control", type=Path, required=True, help="the vanilla control's log.jsonl")
@@ -95,18 +121,25 @@ def main() -> None:
                         help="an arm's log (repeatable; the first is the reference)")
     parser.add_argument("--windows", default=None, metavar="A,B,...",
                         help="step edges: also the mean gap per window (A, B], over the evaluations every arm has")
+    parser.add_argument("--shares", type=float, default=None, metavar="CAP",
+                        help="with --windows: also how often each capped gradient term exceeded CAP (the configs' "
+                        "max_grad_share), per window and run")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    arms = {}
+    arms, logs = {}, {"control": args.control}
     for spec in args.arm:
         label, _, path = spec.partition("=")
         if not path:
             raise SystemExit(f"--arm takes LABEL=LOG, got '{spec}'")
         arms[label] = read(Path(path))
+        logs[label] = Path(path)
     control = read(args.control)[0]
     lines = [f"Validation CE against the control `{args.control}` (the ceiling's effect: †)", "", *table(control, arms)]
     if args.windows:
-        lines += ["", *windows(control, arms, [int(e) for e in args.windows.split(",")])]
+        edges = [int(e) for e in args.windows.split(",")]
+        lines += ["", *windows(control, arms, edges)]
+        if args.shares is not None:
+            lines += ["", *shares(logs, edges, args.shares)]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
