@@ -77,6 +77,8 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     copying = [i for i, c in enumerate(commands) if "experiments/robust/induction.py" in c]
     assert len(copying) == 1 and "--labels original vanilla ln_free" in commands[copying[0]]
     assert copying[0] > max(i for i, c in enumerate(commands) if c.startswith("lnfree stress"))
+    temperature = [c for c in commands if "experiments/robust/temperature.py" in c]
+    assert len(temperature) == 1 and "--labels vanilla ln_free original" in temperature[0]
 
 
 def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_record(tmp_path):

@@ -11,7 +11,8 @@
 # 3. lnfree eval of original, vanilla and LN-free on the whole realtext test split (block-bootstrap CIs);
 # 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep (the
 #    two fine-tuned models side by side);
-# 5. the copying probe of the three (experiments/robust/induction.py: a repeated span of random ids);
+# 5. the copying probe of the three (experiments/robust/induction.py: a repeated span of random ids), and each
+#    one's validation CE at its best softmax temperature (experiments/robust/temperature.py, the validation half);
 # 6. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
 # experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
@@ -87,6 +88,8 @@ if ! step_done "$out/stress/stress.json"; then
 fi
 step_done "$out/copying/copying.json" || run "$out/copying" "$(python_bin)" experiments/robust/induction.py \
   "${models[@]}" --labels "${labels[@]}" --out "$out/copying/copying.md" --json "$out/copying/copying.json"
+step_done "$out/temperature/results.json" || run "$out/temperature" "$(python_bin)" experiments/robust/temperature.py \
+  "$runs/vanilla" "$runs/ln_free" "$model" --labels vanilla ln_free original --context "$context" --out "$out/temperature"
 step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze residual --models "${models[@]}" \
   --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \
   --out "$out/analysis" --overwrite

@@ -6,7 +6,8 @@
 Reads RUNS/ln_free and RUNS/vanilla (log.jsonl, run config, the removal state of the latest checkpoint),
 OUT/eval/summary.json (test CE on the whole test split, block-bootstrap CI of the difference),
 OUT/stress/stress.json (`lnfree stress`), OUT/copying/copying.json (the copying probe,
-experiments/robust/induction.py), OUT/verify.json and OUT/analysis/index.json (per-block position-0 residual
+experiments/robust/induction.py), OUT/temperature/results.json (calibration on the validation half,
+experiments/robust/temperature.py), OUT/verify.json and OUT/analysis/index.json (per-block position-0 residual
 norm ratios). Copies each run's log and config beside the summary. Nothing is typed in by hand.
 """
 
@@ -39,6 +40,15 @@ def position0(out: Path) -> dict:
                     "max_after_block_0": m["max_norm_ratio_position_0_after_block_0"]} for label, m in models.items()}
 
 
+def calibration(out: Path) -> dict:
+    """Each model's best softmax temperature on the validation half, and the LN-free model's gap to the control at
+    T = 1 and with each model at its own best T (experiments/robust/temperature.py)."""
+    result = _json(out / "temperature" / "results.json")
+    return {"split": result["split"], "tokens": result["tokens"],
+            "best_temperature": {m: r["best_temperature"] for m, r in result["models"].items()},
+            "gap": dict(result["gaps"]["ln_free"]["all"])}
+
+
 def machine(run: Path) -> dict:
     """The precision a run resolved to and its CPU (None in a log that predates the record), from its start record."""
     start = next(r for r in map(json.loads, (run / LOG).read_text().splitlines()) if r.get("event") == "start")
@@ -67,6 +77,7 @@ def main() -> None:
                                                  if isinstance(stress["settings"]["repeated_probe_ids"], list)
                                                  else stress["settings"]["repeated_probe_ids"]},
         "copying": _json(args.out / "copying" / "copying.json"),
+        "calibration": calibration(args.out),
         "export": None if refused else str(run / "export"),
         **({"export_refused": refused} if refused else {}),
         "verify_ok": None if verify is None else verify["ok"],
