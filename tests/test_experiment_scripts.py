@@ -81,10 +81,20 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     assert len(temperature) == 1 and "--labels vanilla ln_free original" in temperature[0]
 
 
+def _robust_script(name: str):
+    """experiments/robust/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
+    sys.path.insert(0, str(ROOT / "experiments/robust"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"robust_{name}", ROOT / f"experiments/robust/{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "experiments/robust"))
+    return module
+
+
 def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_record(tmp_path):
-    spec = importlib.util.spec_from_file_location("robust_summary", ROOT / "experiments/robust/summary.py")
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = _robust_script("summary")
     records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0}]
     (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
     assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": "a CPU (avx512_bf16)"}
@@ -93,14 +103,8 @@ def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_rec
     assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": None}
 
 
-def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp():
-    sys.path.insert(0, str(ROOT / "experiments/robust"))  # the probe imports its folder's gap split
-    try:
-        spec = importlib.util.spec_from_file_location("robust_temperature", ROOT / "experiments/robust/temperature.py")
-        probe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(probe)
-    finally:
-        sys.path.remove(str(ROOT / "experiments/robust"))
+def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_path):
+    probe = _robust_script("temperature")
     torch = pytest.importorskip("torch")
     generator = torch.Generator().manual_seed(0)
     vocab, rows, length = 40, 96, 64
@@ -117,3 +121,13 @@ def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp():
     gap = result["gaps"]["sharp"]["all"]
     assert gap["at_1"] > 0.02 and abs(gap["at_best"]) < 0.2 * gap["at_1"]
     assert set(result["gaps"]["sharp"]) == {"all", "1-3", "4-7", "8-15", "16-31", "32-63"}
+    from lnfree.evaluate.results import write_experiment  # as the probe writes it, as summary.json reads it
+
+    ce = [probe.ce_by_temperature(model, ids, 16) for model in (control, sharp, control)]
+    write_experiment({"split": "validation", "tokens": ids[:, 1:].numel(),
+                      **probe.summarise(["vanilla", "ln_free", "original"], ce)}, [], tmp_path / "temperature")
+    calibration = _robust_script("summary").calibration(tmp_path)
+    best = {name: m["best_temperature"] for name, m in result["models"].items()}
+    assert calibration["best_temperature"] == {"vanilla": best["control"], "ln_free": best["sharp"],
+                                               "original": best["control"]}
+    assert calibration["gap"] == result["gaps"]["sharp"]["all"] and calibration["tokens"] == 96 * 63
