@@ -53,21 +53,35 @@ def groups(ids: np.ndarray, train: np.ndarray, tokenizer) -> dict[str, np.ndarra
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def control_and_arms(description: str) -> argparse.ArgumentParser:
+    """The command line of a script that scores a control, then its arms, on the validation half (add --out)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("models", nargs="+", help="the control, then the arms (names or checkpoint folders)")
     parser.add_argument("--labels", nargs="+")
     parser.add_argument("--sequences", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    return parser
+
+
+def validation_half(args: argparse.Namespace, parser: argparse.ArgumentParser, context: int = 64):
+    """(the models of `args`, in fp32; the realtext data of their tokenizer; its first `args.sequences` sequences of
+    the validation half), after checking that a control and at least one arm were given."""
     if len(args.models) < 2:
         parser.error("give the control and at least one arm")
     loaded = load_models(args.models, args.labels, form="hf", dtype="fp32")
     tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
     bos = bos_token(loaded[0].module, tokenizer)
-    data = prepare_data(DataConfig(source="realtext", context_length=64), tokenizer, 64, config.vocab_size, bos)
-    ids = data.eval_batch(args.sequences)
+    data = prepare_data(DataConfig(source="realtext", context_length=context), tokenizer, context, config.vocab_size,
+                        bos)
+    return loaded, data, data.eval_batch(args.sequences)
+
+
+def main() -> None:
+    parser = control_and_arms(__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    loaded, data, ids = validation_half(args, parser)
+    tokenizer = loaded[0].tokenizer
     masks = groups(ids.numpy(), data.train, tokenizer)
     ce = []
     for model in loaded:

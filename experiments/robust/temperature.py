@@ -15,7 +15,6 @@ fitted and read on the same sequences, it is an upper bound for them. Writes res
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lnfree.data.documents import bos_token, prepare_data
-from lnfree.evaluate import load_models
 from lnfree.evaluate.results import write_experiment
-from lnfree.removal.config import DataConfig
 
-from gap_by_token import POSITIONS  # this folder's gap split (run as a script, its folder is on the path)
+from gap_by_token import POSITIONS, control_and_arms, validation_half  # this folder's (its folder is on the path)
 
 TEMPERATURES = tuple(round(0.70 + 0.025 * i, 3) for i in range(25))  # 0.70 … 1.30
 
@@ -80,21 +76,11 @@ def tables(result: dict, control: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="+", help="the control, then the arms (names or checkpoint folders)")
-    parser.add_argument("--labels", nargs="+")
-    parser.add_argument("--sequences", type=int, default=192)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser = control_and_arms(__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if len(args.models) < 2:
-        parser.error("give the control and at least one arm")
-    loaded = load_models(args.models, args.labels, form="hf", dtype="fp32")
-    tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
-    data = prepare_data(DataConfig(source="realtext", context_length=args.context), tokenizer, args.context,
-                        config.vocab_size, bos_token(loaded[0].module, tokenizer))
-    ids = data.eval_batch(args.sequences)
+    loaded, _, ids = validation_half(args, parser, args.context)
     ce = []
     for model in loaded:
         model.module.eval()
