@@ -93,6 +93,38 @@ def _robust_script(name: str):
     return module
 
 
+def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares_them_on_validation(tmp_path):
+    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
+    shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
+    for arm, cosine in (("ln_free", 900), ("vanilla", None)):  # a finished run, its newest checkpoint the last
+        run_dir = tmp_path / "runs/robust/gemma3" / arm
+        for step in (1400, 1500, 1551):
+            (run_dir / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        for name in ("summary.json", "start.json", "log.jsonl"):
+            (run_dir / name).write_text("{}\n")
+        (run_dir / "tokenizer").mkdir()
+        (run_dir / "run_config.json").write_text(json.dumps({"train": {"cosine_steps": cosine, "max_steps": 1551}}))
+    fake = tmp_path / "bin"  # lnfree: records its arguments
+    fake.mkdir()
+    (fake / "lnfree").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/calls.txt\n')
+    (fake / "lnfree").chmod(0o755)
+    env = os.environ | {"PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = ["bash", "experiments/robust/recovery.sh", "gemma3"]
+    assert subprocess.run(script + ["ten"], cwd=tmp_path, env=env, capture_output=True).returncode == 2
+    done = subprocess.run(script + ["500"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
+    branches = "runs/robust/gemma3/recovery-500"
+    assert calls[0].startswith("eval runs/robust/gemma3/vanilla runs/robust/gemma3/ln_free "
+                               f"{branches}/vanilla {branches}/ln_free --labels vanilla ln_free vanilla+500 ln_free+500 "
+                               "--dataset realtext-val")  # the validation half: never the test half
+    for call, arm, cosine in ((calls[1], "ln_free", 900), (calls[2], "vanilla", 1551)):
+        assert call == (f"remove --config {branches}/{arm}/run_config.json -o {branches}/{arm} --resume "
+                        f"--set train.max_steps=2051 --set train.cosine_steps={cosine}")
+        assert (tmp_path / branches / arm / "checkpoints/step_001551").is_dir()  # branched at the last step
+        assert not (tmp_path / branches / arm / "checkpoints/step_001500").exists()
+
+
 def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_record(tmp_path):
     summary = _robust_script("summary")
     records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0}]

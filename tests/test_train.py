@@ -218,6 +218,26 @@ def test_a_save_killed_midway_is_ignored_resume_continues_and_a_finished_run_is_
     assert again.seconds == resumed.seconds and files() == before
 
 
+def test_a_resumed_run_keeps_what_auto_chose_at_its_start_and_records_the_machine_it_goes_on(run_config):
+    config = run_config(save_every=5)  # mixed_precision "auto": fp32 on a CPU without train.auto_cpu_bf16
+    out = run(config, progress=False).output_dir
+    log = out / "log.jsonl"
+
+    def resume_last_step(started_in: str) -> dict:
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        next(r for r in lines if r.get("event") == "start")["precision"] = started_in  # as on another machine
+        log.write_text("".join(f"{json.dumps(r)}\n" for r in lines))
+        shutil.rmtree(out / "checkpoints" / "step_000016")
+        run(config, resume=True, progress=False)
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        return next(r for r in reversed(lines) if r.get("event") == "resume")
+
+    for started_in in ("no", "bf16"):  # "auto" chooses once: a resume on another machine computes the same
+        resumed = resume_last_step(started_in)
+        assert resumed == {"event": "resume", "step": 15, "checkpoint": str(out / "checkpoints" / "step_000015"),
+                           "precision": started_in, "cpu": cpu_description()}
+
+
 def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
     from transformers import GPT2LMHeadModel
 

@@ -23,10 +23,10 @@ logger = logging.getLogger("lnfree")
 
 
 def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device: torch.device, precision: str,
-                  context: int) -> nn.Module | None:
+                  context: int, auto: bool | None = None) -> nn.Module | None:
     """Install the fixed-scale norms (a removal run), set dropout, checkpointing and compilation, choose the
     attention for the run's autocast `precision` at `context` tokens (`choose_attention`), and move `model` to
-    `device`; return the distillation teacher (None without distillation)."""
+    `device`; return the distillation teacher (None without distillation; `auto` as in `autocast_factory`)."""
     removal, train = config.removal, config.train
     if removal.mode == "remove":
         surgery.install(model, special_pos0=removal.special_pos0, per_head_pos0=removal.special_pos0_per_head,
@@ -36,7 +36,7 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
-    teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16) if train.distill_alpha > 0
+    teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16, auto) if train.distill_alpha > 0
                else None)
     choose_attention(config, device, precision, context, architecture(model).head_dim, model, teacher)
     if train.gradient_checkpointing:
@@ -60,14 +60,15 @@ def compile_blocks(model: nn.Module, **options) -> None:
         block.compile(**options)
 
 
-def autocast_factory(config: RunConfig, device: torch.device):
+def autocast_factory(config: RunConfig, device: torch.device, auto: bool | None = None):
     """(a function returning the run's autocast context, the precision it resolved to: "bf16",
     "fp16" or "no"); `train.mixed_precision = "auto"` is bf16 where `lnfree.removal.precision.auto_bf16` says
-    (a GPU that supports it; a CPU with native bf16 under `train.auto_cpu_bf16`), else none."""
+    (a GPU that supports it; a CPU with native bf16 under `train.auto_cpu_bf16`), else none; or, given `auto`,
+    where that is True: a resumed run keeps what `auto` chose at its start, on whatever machine it goes on."""
     choice = config.train.mixed_precision
     if choice == "auto":
-        choice = "bf16" if auto_bf16(device, config.train.auto_cpu_bf16) else "no"
-    elif choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        choice = "bf16" if (auto_bf16(device, config.train.auto_cpu_bf16) if auto is None else auto) else "no"
+    if choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         logger.warning("train.mixed_precision = bf16 on a CPU without native bf16 (avx512_bf16 or AMX): emulated, "
                        "likely slower than fp32")
     if choice == "no":

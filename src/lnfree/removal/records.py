@@ -24,6 +24,7 @@ from lnfree.fixedscale.ceiling import set_ceiling, watching
 from lnfree.data.documents import TokenData
 from lnfree.removal.layout import LOG, checkpoints
 from lnfree.removal.losses.massive import massive_scales
+from lnfree.removal.precision import cpu_description
 from lnfree.removal.schedule import SPECIAL_KINDS, Event
 from lnfree.removal.timeline import Timeline
 
@@ -144,12 +145,30 @@ class RunLog:
         if self.accelerator.is_main_process:
             truncate_log(self.path, step)
 
+    def resume(self, step: int, checkpoint: Path, precision: str) -> None:
+        """Drop the records that a run resumed from `checkpoint` at `step` repeats, then record the resume
+        with the precision and the CPU it goes on with (a run may move between machines)."""
+        self.truncate(step)
+        self({"event": "resume", "step": step, "checkpoint": str(checkpoint), "precision": precision,
+              "cpu": cpu_description()})
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a run's log file (`LOG`), in order; none when it does not exist."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def started_precision(path: Path) -> str | None:
+    """The precision in the start record of the log at `path` (None without one, or in an older log)."""
+    return next((r.get("precision") for r in read_records(path) if r.get("event") == "start"), None)
+
 
 def cpu_hours(run: Path) -> float:
     """Process CPU time of a run's training in hours, resumes included: the largest `cpu_seconds` of its
     training records (`LOG`), plus each vocabulary mining that a resume dropped from that clock, rounded to
     3 decimals (0 for a log written before lnfree recorded it)."""
-    records = [json.loads(line) for line in (Path(run) / LOG).read_text().splitlines() if line.strip()]
+    records = read_records(Path(run) / LOG)
     training = max((r.get("cpu_seconds", 0.0) for r in records if r.get("event") in (None, "end")), default=0.0)
     return round((training + _dropped_mining(records)) / 3600, 3)
 

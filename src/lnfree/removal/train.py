@@ -55,7 +55,7 @@ from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
     autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
-    HeldOut, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, stop_if_diverged,
+    HeldOut, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision, stop_if_diverged,
 )
 from lnfree.removal.resolve import (  # noqa: F401 (re-exported)
     RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
@@ -219,8 +219,9 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
     accelerator.wait_for_everyone()
     out = Path(config.output_dir)
 
-    autocast, precision = autocast_factory(config, accelerator.device)
-    teacher = prepare_model(model, config, data.eot_token_id, accelerator.device, precision, context)
+    auto = {"bf16": True, "no": False}.get(started_precision(out / LOG)) if resume else None  # the start's choice
+    autocast, precision = autocast_factory(config, accelerator.device, auto)
+    teacher = prepare_model(model, config, data.eot_token_id, accelerator.device, precision, context, auto)
     if accelerator.is_main_process:
         logger.info(describe_run(config, model.config, context, micro_batch, world, accelerator.device, precision != "no"))
     batches = StepBatches(data.train, micro_batch, accumulation, world, train.seed)
@@ -299,8 +300,7 @@ def _probe(config: RunConfig, batches: StepBatches, device: torch.device):
 
 def _log_resume(s: _Setup, step: int, checkpoint: Path) -> None:
     """Drop the log records the resumed run repeats, then record the resume (and any amendment)."""
-    s.log.truncate(step)
-    s.log({"event": "resume", "step": step, "checkpoint": str(checkpoint)})
+    s.log.resume(step, checkpoint, s.precision)
     if s.amended:
         s.log({"event": "amend", "step": step, "changed": s.amended})
 

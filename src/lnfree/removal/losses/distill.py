@@ -33,17 +33,18 @@ def resolve_teacher_dtype(choice: str, bf16_capable: bool) -> torch.dtype:
     return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
-def teacher_dtype(choice: str, device: torch.device, cpu_bf16: bool = False) -> torch.dtype:
+def teacher_dtype(choice: str, device: torch.device, cpu_bf16: bool = False, auto: bool | None = None) -> torch.dtype:
     """`resolve_teacher_dtype` on `device` (bf16-capable: `lnfree.removal.precision.auto_bf16`, `cpu_bf16` its
-    CPU opt-in `train.auto_cpu_bf16`)."""
-    return resolve_teacher_dtype(choice, auto_bf16(device, cpu_bf16))
+    CPU opt-in `train.auto_cpu_bf16`; or `auto`, the choice a resumed run started with)."""
+    return resolve_teacher_dtype(choice, auto_bf16(device, cpu_bf16) if auto is None else auto)
 
 
-def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto", cpu_bf16: bool = False) -> nn.Module:
+def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto", cpu_bf16: bool = False,
+                 auto: bool | None = None) -> nn.Module:
     """The frozen original model `model` (every norm real) on `device`, for distillation (`teacher_dtype`)."""
     teacher, _ = load_base(model)
     teacher.eval().requires_grad_(False)
-    return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device, cpu_bf16))
+    return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device, cpu_bf16, auto))
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
