@@ -125,14 +125,17 @@ def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares
         assert not (tmp_path / branches / arm / "checkpoints/step_001500").exists()
 
 
-def test_the_robust_summary_names_each_runs_precision_and_cpu_from_its_start_record(tmp_path):
+def test_the_robust_summary_names_each_runs_precision_and_the_cpus_it_started_and_resumed_on(tmp_path):
     summary = _robust_script("summary")
-    records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0}]
+    records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0},
+               {"event": "resume", "step": 1, "checkpoint": "c", "precision": "bf16", "cpu": "another (amx_bf16)"},
+               {"event": "resume", "step": 1, "checkpoint": "c", "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}]
     (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
-    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": "a CPU (avx512_bf16)"}
-    del records[0]["cpu"]  # a log from before lnfree recorded the CPU
+    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": "a CPU (avx512_bf16)",
+                                         "resumed_on": ["a CPU (avx512_bf16)", "another (amx_bf16)"]}
+    records = [{k: v for k, v in r.items() if k != "cpu"} for r in records]  # a log from before lnfree recorded the CPU
     (tmp_path / "log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
-    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": None}
+    assert summary.machine(tmp_path) == {"precision": "bf16", "cpu": None, "resumed_on": []}
 
 
 def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_path):

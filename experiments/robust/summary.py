@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from lnfree.evaluate.results import ce_headline
-from lnfree.removal.records import cpu_hours
+from lnfree.removal.records import cpu_hours, read_records
 from lnfree.removal.layout import LOG, RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
@@ -50,9 +50,12 @@ def calibration(out: Path) -> dict:
 
 
 def machine(run: Path) -> dict:
-    """The precision a run resolved to and its CPU (None in a log that predates the record), from its start record."""
-    start = next(r for r in map(json.loads, (run / LOG).read_text().splitlines()) if r.get("event") == "start")
-    return {"precision": start["precision"], "cpu": start.get("cpu")}
+    """The precision a run resolved to and its CPU, from its start record, and the CPUs it resumed on, from its
+    resume records (None and none in a log that predates these records)."""
+    records = read_records(run / LOG)
+    start = next(r for r in records if r.get("event") == "start")
+    resumed_on = [r["cpu"] for r in records if r.get("event") == "resume" and "cpu" in r]
+    return {"precision": start["precision"], "cpu": start.get("cpu"), "resumed_on": sorted(set(resumed_on))}
 
 
 def main() -> None:
