@@ -18,16 +18,17 @@ terms took. Writes the tables to --out and prints them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
+
+from lnfree.removal.records import read_records
 
 UNGUARDED_TOLERANCE = 0.01  # nats: the ceiling changed the evaluation beyond rounding
 
 
 def read(path: Path) -> tuple[dict[int, dict], list[dict]]:
     """(the evaluations by step, the `remove` events) of one log.jsonl."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(path)
     evals = {r["step"]: r for r in rows if r.get("event") == "eval"}
     return evals, [r for r in rows if r.get("event") == "remove"]
 
@@ -99,8 +100,7 @@ def shares(logs: dict[str, Path], edges: list[int], cap: float) -> list[str]:
     over those steps (a term a run does not log, or logs as 0 throughout the window, is left blank)."""
     lines = ["| steps | run | " + " | ".join(f"{t}: above {cap} (median)" for t in SHARES) + " |",
              "|" + "---|" * (len(SHARES) + 2)]
-    records = {label: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-               for label, path in logs.items()}
+    records = {label: read_records(path) for label, path in logs.items()}
     for a, b in zip(edges, edges[1:]):
         for label, rows in records.items():
             window = [r for r in rows if "loss" in r and a < r["step"] <= b]

@@ -15,12 +15,13 @@ import json
 import math
 from pathlib import Path
 
-from lnfree.removal.layout import START
+from lnfree.removal.layout import LOG, START
+from lnfree.removal.records import read_records
 
 
 def read_log(folder: Path) -> list[dict]:
     """The run's log.jsonl rows."""
-    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()]
+    return read_records(folder / LOG)
 
 
 def fixed_by(rows: list[dict], step: int) -> list[str]:
@@ -73,18 +74,17 @@ def main() -> None:
     runs = sorted(p for p in args.results.iterdir() if (p / "log.jsonl").is_file())
     if not runs:
         raise SystemExit(f"no run folders with a log.jsonl under {args.results}")
-    heads, details = [], []
-    for folder in runs:
-        head, lines = run_summary(folder)
-        heads.append(head)
-        details += lines
+    heads, per_run = zip(*(run_summary(folder) for folder in runs))
+    shared = len({h["description"] for h in heads}) == 1  # arms of one config by --set: its description fits none
+    details = [line for lines in per_run for i, line in enumerate(lines) if not (shared and i in (2, 3))]
     tokens = {r["held_out_tokens"] for f in runs for r in read_log(f) if r.get("event") == "eval"}
     original = {round(json.loads((f / START).read_text())["held_out_ce"], 3) for f in runs if (f / START).is_file()}
     out = [f"# {args.title}", "",
            f"Written by `experiments/smollm2/gpu_summary.py` from the run logs of {args.source}. Held-out CE on "
            f"{' / '.join(f'{t:,}' for t in sorted(tokens))} scored tokens; the original model scores "
            f"{' / '.join(f'{c:.3f}' for c in sorted(original))} there (each run's start.json). 'Without ceiling' is "
-           "the same model with the scale ceiling off: NaN once one held-out token overflows.", "",
+           "the same model with the scale ceiling off: NaN once one held-out token overflows."
+           + (f" Every run is one config ('{heads[0]['description']}') with its own settings on top (see {args.source})" if shared and heads[0]["description"] else ""), "",
            "| run | steps × tokens | s/step | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
            "|---|---|---|---|---|---|"]
     for h in heads:
