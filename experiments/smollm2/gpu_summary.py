@@ -84,7 +84,7 @@ def main() -> None:
            f"{' / '.join(f'{t:,}' for t in sorted(tokens))} scored tokens; the original model scores "
            f"{' / '.join(f'{c:.3f}' for c in sorted(original))} there (each run's start.json). 'Without ceiling' is "
            "the same model with the scale ceiling off: NaN once one held-out token overflows."
-           + (f" Every run is one config ('{heads[0]['description']}') with its own settings on top (see {args.source})" if shared and heads[0]["description"] else ""), "",
+           + (f" Every run is one config ('{heads[0]['description']}') with its own settings on top (the script's header lists them)" if shared and heads[0]["description"] else ""), "",
            "| run | steps × tokens | s/step | last finite eval (ln_2 fixed) | first NaN eval (ln_2 fixed) | final CE under the ceiling |",
            "|---|---|---|---|---|---|"]
     for h in heads:
