@@ -81,16 +81,21 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     assert len(temperature) == 1 and "--labels vanilla ln_free original" in temperature[0]
 
 
-def _robust_script(name: str):
-    """experiments/robust/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
-    sys.path.insert(0, str(ROOT / "experiments/robust"))
+def _experiment_script(folder: str, name: str):
+    """experiments/FOLDER/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
+    sys.path.insert(0, str(ROOT / "experiments" / folder))
     try:
-        spec = importlib.util.spec_from_file_location(f"robust_{name}", ROOT / f"experiments/robust/{name}.py")
+        spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / f"experiments/{folder}/{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(ROOT / "experiments/robust"))
+        sys.path.remove(str(ROOT / "experiments" / folder))
     return module
+
+
+def _robust_script(name: str):
+    """experiments/robust/NAME.py as a module."""
+    return _experiment_script("robust", name)
 
 
 def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares_them_on_validation(tmp_path):
@@ -166,3 +171,25 @@ def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_
     assert calibration["best_temperature"] == {"vanilla": best["control"], "ln_free": best["sharp"],
                                                "original": best["control"]}
     assert calibration["gap"] == result["gaps"]["sharp"]["all"] and calibration["tokens"] == 96 * 63
+
+
+def test_a_pilot_page_names_a_shared_config_once_and_distinct_ones_per_run(tmp_path, monkeypatch):
+    summary = _experiment_script("smollm2", "gpu_summary")
+    evaluation = {"event": "eval", "step": 25, "held_out_ce": 3.5, "held_out_ce_unguarded": 3.5, "held_out_tokens": 64,
+                  "outlier_scale": 2.0, "position0_scale": 9.0, "ceiling_hits": 0}
+
+    def page(descriptions: dict[str, str]) -> str:
+        for run, description in descriptions.items():
+            (tmp_path / run).mkdir(exist_ok=True)
+            (tmp_path / run / "log.jsonl").write_text(json.dumps({"step": 25, "loss": 3.0}) + "\n" + json.dumps(evaluation))
+            (tmp_path / run / "run_config.json").write_text(json.dumps(
+                {"description": description, "train": {"tokens_per_step": 256}}))
+        monkeypatch.setattr(sys, "argv", ["gpu_summary.py", "--results", str(tmp_path)])
+        summary.main()
+        return (tmp_path / "tables.md").read_text()
+
+    shared = page({"control": "ln_2 alone (the control)", "margin": "ln_2 alone (the control)"})
+    assert shared.count("ln_2 alone (the control)") == 1  # in the page's header, not under each run's heading
+    own = page({"control": "ln_2 alone (the control)", "margin": "the margin arm"})
+    assert own.count("ln_2 alone (the control)") == 1 and own.count("the margin arm") == 1
+    assert own.index("### margin") < own.index("the margin arm")
