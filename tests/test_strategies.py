@@ -172,6 +172,23 @@ def test_a_stage_blend_overrides_the_run_blend_and_survives_a_restore():
     assert seen[3] == [("blocks.0.ln_2", 1.0)] and seen[4] == []
 
 
+def test_a_cosine_stage_rises_slowly_at_both_ends_and_keeps_its_shape_through_a_restore():
+    schedule = Schedule(stages=[Stage(kind="ln_2", start=0, gap=1, blend_steps=4, blend_shape="cosine"),
+                                Stage(kind="ln_f", start=0, blend_steps=4)])
+    events = schedule.events(n_layer=2)
+    assert "on a half cosine" in schedule.describe(2).splitlines()[0] and "cosine" not in schedule.describe(2).splitlines()[1]
+    timeline = Timeline(events)
+    assert [(e.slot, round(f, 4)) for e, f in timeline.actions(0)] == [("blocks.0.ln_2", 0.1464), ("ln_f", 0.25)]
+    restored = Timeline(events)
+    restored.load_state_dict(json.loads(json.dumps(timeline.state_dict())))
+    fractions = [dict((e.slot, round(f, 4)) for e, f in restored.actions(step)) for step in range(1, 5)]
+    assert [f["blocks.0.ln_2"] for f in fractions[:3]] == [0.5, 0.8536, 1.0]  # the cosine's middle and its slow end
+    assert [f["blocks.1.ln_2"] for f in fractions] == [0.1464, 0.5, 0.8536, 1.0] and fractions[2]["ln_f"] == 1.0
+    legacy = Timeline(events)  # a checkpoint written before blend shapes: four entries per event, linear
+    legacy.load_state_dict({"applied": [[0, "ln_2", 0, 4]], "next_group": 1, "reference": None, "recent": []})
+    assert [round(f, 4) for e, f in legacy.actions(1)][0] == 0.5 and legacy.applied[0].blend_shape == "linear"
+
+
 def test_a_special_sigma_fades_only_over_its_own_stage_blend():
     events = [Event(0, "ln_f"), Event(1, "pos0_special", blend_steps=4), Event(1, "eot_special")]
     timeline = Timeline(events, blend_steps=2)

