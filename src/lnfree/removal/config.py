@@ -146,10 +146,15 @@ class TrainConfig(_Strict):
         "settings by start); None is off"
     )
     distill_alpha: float = Field(
-        0.0, ge=0, le=1, description="distillation to the original model: loss = (1 − α)·CE + α·T²·KL(teacher ‖ "
-        "student) per token; 0 is off"
+        0.0, ge=0, le=1, description="distillation to the original model (or train.teacher): loss = (1 − α)·CE + "
+        "α·T²·KL(teacher ‖ student) per token; 0 is off"
     )
     distill_temperature: float = Field(1.0, gt=0, description="softmax temperature T of the distillation term")
+    teacher: str | None = Field(
+        None, description="the distillation teacher, a model with real norms and the run's vocabulary: a model name, "
+        "Hub id or directory, or a vanilla run folder (its newest checkpoint) or checkpoint; None: the run's own "
+        "model (the original). neuron_range and attention_kl read it too"
+    )
     teacher_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="the frozen teacher's weights (auto: bf16 on a bf16-capable GPU, else fp32)"
     )
@@ -203,6 +208,8 @@ class TrainConfig(_Strict):
         if self.neuron_range is not None and self.distill_alpha == 0:
             raise ValueError("train.neuron_range measures each neuron's range on the distillation teacher: set "
                              "train.distill_alpha > 0")
+        if self.teacher is not None and self.distill_alpha == 0:
+            raise ValueError("train.teacher is the distillation teacher: it needs train.distill_alpha > 0")
         if self.attention_kl is not None and self.distill_alpha == 0:
             raise ValueError("train.attention_kl compares with the distillation teacher's attention: set "
                              "train.distill_alpha > 0")

@@ -14,7 +14,7 @@ from torch import nn
 
 from lnfree.fixedscale import surgery
 from lnfree.arch import architecture
-from lnfree.removal.config import RunConfig
+from lnfree.removal.config import ConfigError, RunConfig
 from lnfree.removal.losses.distill import load_teacher
 from lnfree.removal.muon import MuonWithAdamW, muon_matrices
 from lnfree.removal.precision import attention_in_fp32, auto_bf16, cpu_has_native_bf16, use_fp32_attention
@@ -36,8 +36,11 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
-    teacher = (load_teacher(config.model, device, train.teacher_dtype, train.auto_cpu_bf16, auto) if train.distill_alpha > 0
-               else None)
+    teacher = (load_teacher(train.teacher or config.model, device, train.teacher_dtype, train.auto_cpu_bf16, auto)
+               if train.distill_alpha > 0 else None)
+    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"the teacher {train.teacher} has a vocabulary of {teacher.config.vocab_size} tokens, "
+                          f"the model {model.config.vocab_size}: distillation compares the two per token id")
     choose_attention(config, device, precision, context, architecture(model).head_dim, model, teacher)
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

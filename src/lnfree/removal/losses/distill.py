@@ -1,7 +1,8 @@
 """Distillation to the original model: a frozen teacher and the per-token KL term of the loss.
 
 The teacher is the run's starting checkpoint with every norm real, loaded afresh (so a resumed
-run rebuilds the same teacher), in eval mode and without gradients. It runs under the same
+run rebuilds the same teacher), in eval mode and without gradients; or, with `train.teacher`, another
+model with real norms and the same vocabulary (for example a vanilla run's model, fine-tuned on the same text). It runs under the same
 autocast as the student on the same micro-batch. Memory: the teacher adds one copy of the weights
 (in bf16 where `auto` means bf16, `lnfree.removal.precision`: 3.1 GB for GPT-2 XL) and one logits tensor per
 micro-batch; the KL and the CE beside it are computed in chunks of tokens so that their fp32 temporaries stay small (with
@@ -11,11 +12,17 @@ holds a full teacher; under FSDP too (it is not sharded).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from lnfree.errors import LnfreeError
 from lnfree.models.base import load_base
+from lnfree.removal.layout import RUN_CONFIG, TRAINER_STATE, latest_checkpoint
 from lnfree.removal.precision import auto_bf16
 
 #: The label of a position without a next token (transformers' and PyTorch's ignore index).
@@ -39,10 +46,33 @@ def teacher_dtype(choice: str, device: torch.device, cpu_bf16: bool = False, aut
     return resolve_teacher_dtype(choice, auto_bf16(device, cpu_bf16) if auto is None else auto)
 
 
+class TeacherError(LnfreeError, ValueError):
+    """A distillation teacher that cannot serve (fixed norms, no checkpoint)."""
+
+
+def vanilla_checkpoint(source: str) -> Path | None:
+    """The checkpoint folder `source` names when it is an lnfree run (its newest checkpoint) or one of a run's
+    checkpoints; None for anything else. A run that fixes norms is refused: a teacher's norms are real."""
+    path = Path(source)
+    run, checkpoint = ((path, latest_checkpoint(path)) if (path / RUN_CONFIG).is_file()
+                       else (path.parent.parent, path) if (path / TRAINER_STATE).is_file() else (None, None))
+    if run is None:
+        return None
+    if checkpoint is None:
+        raise TeacherError(f"the run {source} has no complete checkpoint to distil from")
+    if json.loads((run / RUN_CONFIG).read_text())["removal"]["mode"] != "vanilla":
+        raise TeacherError(f"{source} is a removal run: its model has fixed norms. A teacher has real norms: "
+                           "give a vanilla run (lnfree remove --mode vanilla), a model name or a model directory")
+    return checkpoint
+
+
 def load_teacher(model: str, device: torch.device, dtype_choice: str = "auto", cpu_bf16: bool = False,
                  auto: bool | None = None) -> nn.Module:
-    """The frozen original model `model` (every norm real) on `device`, for distillation (`teacher_dtype`)."""
-    teacher, _ = load_base(model)
+    """The frozen teacher `model` (every norm real) on `device`, for distillation (`teacher_dtype`): a model
+    lnfree loads by name, Hub id or directory, or a vanilla run (`vanilla_checkpoint`)."""
+    checkpoint = vanilla_checkpoint(model)
+    teacher = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32) if checkpoint is not None
+               else load_base(model)[0])
     teacher.eval().requires_grad_(False)
     return teacher.to(device=device, dtype=teacher_dtype(dtype_choice, device, cpu_bf16, auto))
 
