@@ -21,9 +21,10 @@ from lnfree.removal.losses.massive import tail_at
 from lnfree.removal.schedule import Event
 
 #: The config fields whose effect is a function of the step: an amendment may change them from the
-#: resume step on (the learning-rate curve and its restart, the tail losses' weights, the removal events,
-#: the ceiling).
-FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "learning_rate_restart", *STEP_LOSSES),
+#: resume step on (the learning-rate curve and its restart, the distillation teacher, the tail losses' weights,
+#: the removal events, the ceiling).
+FUTURE_FIELDS = {"train": ("max_steps", "cosine_steps", "learning_rate_restart", "teacher", "teacher_start",
+                           *STEP_LOSSES),
                  "removal": ("schedule", "scale_ceiling")}
 
 
@@ -61,6 +62,8 @@ def amendment(
                         f"{stored.train.cosine_steps or stored.train.max_steps} when max_steps grows)")
     if any(_ceiling(stored, s) != _ceiling(config, s) for s in range(step)):
         problems.append(f"the scale ceiling before step {step} (set removal.scale_ceiling.release_start)")
+    if any(stored.train.teacher_at(s) != config.train.teacher_at(s) for s in range(step)):
+        problems.append(f"the distillation teacher before step {step} (set train.teacher_start)")
     for name in STEP_LOSSES:
         if any(_tail(stored, name, s) != _tail(config, name, s) for s in range(step)):
             problems.append(f"the {name} loss before step {step} (set train.{name}.start)")

@@ -155,6 +155,10 @@ class TrainConfig(_Strict):
         "Hub id or directory, or a vanilla run folder (its newest checkpoint) or checkpoint; None: the run's own "
         "model (the original). neuron_range and attention_kl read it too"
     )
+    teacher_start: int = Field(
+        0, ge=0, description="the step from which train.teacher teaches; the original teaches before it (a branch "
+        "switches teachers from its checkpoint on; neuron_range's ranges stay the first teacher's)"
+    )
     teacher_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="the frozen teacher's weights (auto: bf16 on a bf16-capable GPU, else fp32)"
     )
@@ -210,10 +214,16 @@ class TrainConfig(_Strict):
                              "train.distill_alpha > 0")
         if self.teacher is not None and self.distill_alpha == 0:
             raise ValueError("train.teacher is the distillation teacher: it needs train.distill_alpha > 0")
+        if self.teacher_start > 0 and self.teacher is None:
+            raise ValueError("train.teacher_start is the step from which train.teacher teaches: set train.teacher")
         if self.attention_kl is not None and self.distill_alpha == 0:
             raise ValueError("train.attention_kl compares with the distillation teacher's attention: set "
                              "train.distill_alpha > 0")
         return self
+
+    def teacher_at(self, step: int) -> str | None:
+        """The distillation teacher at `step`: `teacher` from `teacher_start` on, else None (the original)."""
+        return self.teacher if step >= self.teacher_start else None
 
     def saves_after(self, done: int) -> bool:
         """Whether a run saves a checkpoint after `done` steps, before its end (which always saves one): every

@@ -36,17 +36,28 @@ def prepare_model(model: nn.Module, config: RunConfig, eot_token_id: int, device
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = train.dropout
-    teacher = (load_teacher(train.teacher or config.model, device, train.teacher_dtype, train.auto_cpu_bf16, auto)
+    teacher = (run_teacher(config, train.teacher_at(0) or config.model, model, device, precision, context, auto)
                if train.distill_alpha > 0 else None)
-    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
-        raise ConfigError(f"the teacher {train.teacher} has a vocabulary of {teacher.config.vocab_size} tokens, "
-                          f"the model {model.config.vocab_size}: distillation compares the two per token id")
-    choose_attention(config, device, precision, context, architecture(model).head_dim, model, teacher)
+    choose_attention(config, device, precision, context, architecture(model).head_dim, model)
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     if train.compile:
         compile_blocks(model)
+    return teacher
+
+
+def run_teacher(config: RunConfig, name: str, model: nn.Module, device: torch.device, precision: str, context: int,
+                auto: bool | None = None) -> nn.Module:
+    """The frozen distillation teacher `name` of a run training `model` (`load_teacher`; `precision`, `context`
+    and `auto` as in `prepare_model`), its attention chosen as the student's; refused unless its vocabulary is
+    the model's."""
+    train = config.train
+    teacher = load_teacher(name, device, train.teacher_dtype, train.auto_cpu_bf16, auto)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"the teacher {name} has a vocabulary of {teacher.config.vocab_size} tokens, "
+                          f"the model {model.config.vocab_size}: distillation compares the two per token id")
+    choose_attention(config, device, precision, context, architecture(model).head_dim, teacher)
     return teacher
 
 

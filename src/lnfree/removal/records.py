@@ -1,7 +1,7 @@
 """What a run measures and records: the held-out cross-entropy and massive-activation scales
 (`held_out_ce`, `HeldOut`), the records of its log (`RunLog`: `log.jsonl` and the trackers; removal
-events, evaluations) and the check that stops a diverged run before its state is logged or saved
-(`stop_if_diverged`).
+events, evaluations), the check that stops a diverged run before its state is logged or saved
+(`stop_if_diverged`) and the run's training time (`RunClock`).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,3 +204,24 @@ def truncate_log(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
+
+
+class RunClock:
+    """Training time over every process of the run (`before`: earlier processes, plus this one's): wall
+    time, and this process's CPU time (every thread; pauses and other jobs on the machine not counted)."""
+
+    def __init__(self, before: float, cpu_before: float = 0.0):
+        self.before, self.started = before, time.perf_counter()
+        self.cpu_before, self.cpu_started = cpu_before, time.process_time()
+
+    def seconds(self) -> float:
+        """The wall time so far, rounded to 10 ms as logged and checkpointed."""
+        return round(self.before + time.perf_counter() - self.started, 2)
+
+    def cpu_seconds(self) -> float:
+        """The process CPU time so far, rounded to 10 ms."""
+        return round(self.cpu_before + time.process_time() - self.cpu_started, 2)
+
+    def state(self) -> dict:
+        """Both, as logged and checkpointed."""
+        return {"seconds": self.seconds(), "cpu_seconds": self.cpu_seconds()}

@@ -22,9 +22,9 @@ import contextlib
 import json
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,9 +53,9 @@ from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
-    autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model)
+    autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model, run_teacher)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
-    HeldOut, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision, stop_if_diverged,
+    HeldOut, RunClock, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision, stop_if_diverged,
 )
 from lnfree.removal.resolve import (  # noqa: F401 (re-exported)
     RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
@@ -129,11 +129,14 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
-    clock = _Clock(seconds_before, cpu_before)
+    clock = RunClock(seconds_before, cpu_before)
     for step in bar:
         removal.before_step(bare, step, s.log)
         mine_if_due(s.config, s.accelerator, s.data, s.mined, s.log, bare, step, removal.ceiling_now,
                     bf16=s.precision == "bf16")
+        if train.teacher_start and step == max(train.teacher_start, start_step):  # train.teacher from here on
+            s.teacher = s.teach(train.teacher)
+            objective.set_teacher(s.teacher, s.arch)
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -190,6 +193,7 @@ class _Setup:
     amended: list[str]  # the config fields a resumed run changed
     coverage_rows: Callable[[int, int, Coverage], torch.Tensor] | None  # (step, micro-step, settings) → generated rows
     mined: MinedIds  # the ids `train.coverage.mine` found (the run folder's MINED)
+    teach: Callable[[str], nn.Module] | None = None  # loads a distillation teacher by name (`train.teacher_start`)
 
     @property
     def out(self) -> Path:
@@ -235,7 +239,9 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
                        accelerator.device, scored)
     return _Setup(config, accelerator, model, arch, events, data, batches, loader, held_out, log, teacher, autocast,
                   precision, momentum, steady, amended, *coverage_rows(config, accelerator.process_index, context,
-                                                                       model, tokenizer))
+                                                                       model, tokenizer),
+                  teach=partial(run_teacher, config, model=model, device=accelerator.device, precision=precision,
+                                context=context, auto=auto))
 
 
 def _load_data(config: RunConfig, accelerator: Accelerator, tokenizer, model: nn.Module,
@@ -361,27 +367,6 @@ class _Removal:
             set_ceiling(bare, math.inf)
 
 
-class _Clock:
-    """Training time over every process of the run (`before`: earlier processes, plus this one's): wall
-    time, and this process's CPU time (every thread; pauses and other jobs on the machine not counted)."""
-
-    def __init__(self, before: float, cpu_before: float = 0.0):
-        self.before, self.started = before, time.perf_counter()
-        self.cpu_before, self.cpu_started = cpu_before, time.process_time()
-
-    def seconds(self) -> float:
-        """The wall time so far, rounded to 10 ms as logged and checkpointed."""
-        return round(self.before + time.perf_counter() - self.started, 2)
-
-    def cpu_seconds(self) -> float:
-        """The process CPU time so far, rounded to 10 ms."""
-        return round(self.cpu_before + time.process_time() - self.cpu_started, 2)
-
-    def state(self) -> dict:
-        """Both, as logged and checkpointed."""
-        return {"seconds": self.seconds(), "cpu_seconds": self.cpu_seconds()}
-
-
 def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: int,
                       upcoming: Callable[[int], list]) -> torch.Tensor:
     """Forward and backward over `step`'s micro-batches (gradients synchronised on the last only), then
@@ -469,7 +454,7 @@ def _spike(grad_norm: torch.Tensor, limit: float | None, step: int, log: RunLog)
 
 
 def _log_losses(s: _Setup, objective: Objective, pending: list[torch.Tensor], done: int, lr: float,
-                clock: _Clock) -> dict:
+                clock: RunClock) -> dict:
     """Log the loss terms and gradient norm averaged over the `pending` steps (then cleared) after `done`."""
     record = objective.record(torch.stack(pending).mean(0).tolist())
     pending.clear()
@@ -481,7 +466,7 @@ def _log_losses(s: _Setup, objective: Objective, pending: list[torch.Tensor], do
 # ----------------------------------------------------------------------------- after the loop
 
 
-def _finish(s: _Setup, held_out: HeldOut, timeline: Timeline, clock: _Clock, ce_start: float) -> RunResult:
+def _finish(s: _Setup, held_out: HeldOut, timeline: Timeline, clock: RunClock, ce_start: float) -> RunResult:
     """Measure the trained model, log the end, save the final checkpoint and return the result."""
     train, accelerator, bare = s.config.train, s.accelerator, held_out.bare
     ce_end = held_out.ce().item()

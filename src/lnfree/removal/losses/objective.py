@@ -116,12 +116,11 @@ class Objective:
 
     def __init__(self, model: nn.Module, train: TrainConfig, arch, teacher: nn.Module | None, eot_token_id: int,
                  autocast: Callable):
-        self.train, self.teacher, self.eot_token_id, self.autocast = train, teacher, eot_token_id, autocast
+        self.train, self.eot_token_id, self.autocast = train, eot_token_id, autocast
         self.eps, self.norm_kind = arch.eps, arch.norm_kind
         self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
         chunked = train.chunked_vocab_loss is not None
         self.head = HeadInput(model, arch) if chunked else None  # the student's final hidden states
-        self.teacher_head = HeadInput(teacher, arch) if chunked and teacher is not None else None
         wanted = (train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
                   or train.coverage is not None or train.stability_margin is not None)
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
@@ -138,14 +137,27 @@ class Objective:
         # a vanilla control has no σ to measure a sublayer as fixed with: the hinge is not computed there (0)
         growing = train.local_growth is not None and surgery.is_installed(model)
         self.sublayers = MlpSublayers(model) if growing else None
-        attending = train.attention_kl is not None
-        self.attention = AttentionPatterns(model) if attending else None
-        self.teacher_attention = AttentionPatterns(teacher) if attending and teacher is not None else None
+        self.attention = AttentionPatterns(model) if train.attention_kl is not None else None
+        self.teacher_head: HeadInput | None = None
+        self.teacher_attention: AttentionPatterns | None = None
+        self.set_teacher(teacher, arch)
         self.captured = [hooks for hooks in (self.norm_inputs, self.head_inputs, self.mlp_outputs,
                                              self.neuron_activations, self.sublayers, self.attention) if hooks is not None]
-        for hooks in (*self.captured, self.teacher_attention):  # only the loss's own forwards: not the
-            if hooks is not None:  # evaluations, not a recompute, not the coverage rows
-                hooks.active = False
+        for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute,
+            hooks.active = False  # not the coverage rows
+
+    def set_teacher(self, teacher: nn.Module | None, arch) -> None:
+        """Distil from `teacher` from now on (`train.teacher_start`): its hooks replace the last teacher's."""
+        if self.teacher_attention is not None:
+            self.teacher_attention.remove()
+            self.teacher_attention.clear()
+        self.teacher = teacher
+        chunked = self.train.chunked_vocab_loss is not None
+        self.teacher_head = HeadInput(teacher, arch) if chunked and teacher is not None else None
+        attending = self.train.attention_kl is not None and teacher is not None
+        self.teacher_attention = AttentionPatterns(teacher) if attending else None
+        if self.teacher_attention is not None:
+            self.teacher_attention.active = False
 
     def tails_at(self, step: int) -> tuple:
         """The settings on at `step` of the step-dependent terms (`TAILS`; None where one is off)."""
