@@ -20,9 +20,12 @@ def test_it_needs_distillation(run_config):
         with_overrides(run_config(max_steps=2), {"train.distill_alpha": 0.0, "train.teacher": "somewhere"})
 
 
+def _records(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / LOG).read_text().splitlines()]
+
+
 def _first_kl(output_dir) -> float:
-    records = [json.loads(line) for line in (output_dir / LOG).read_text().splitlines()]
-    return next(r["kl"] for r in records if "kl" in r)
+    return next(r["kl"] for r in _records(output_dir) if "kl" in r)
 
 
 def test_a_removal_distils_from_a_vanilla_runs_newest_checkpoint_and_refuses_a_removal_run(run_config, model_dir):
@@ -45,10 +48,6 @@ def test_a_removal_distils_from_a_vanilla_runs_newest_checkpoint_and_refuses_a_r
     assert _first_kl(distilled) > _first_kl(original)  # step 1: the same student, a teacher it has not yet matched
     with pytest.raises(TeacherError, match="fixed norms"):
         vanilla_checkpoint(str(original))
-
-
-def _records(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / LOG).read_text().splitlines()]
 
 
 def test_a_branch_switches_teachers_at_its_checkpoint_as_a_run_planned_so_from_step_0(run_config, tmp_path):

@@ -55,7 +55,8 @@ from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
     autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model, run_teacher)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
-    HeldOut, RunClock, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision, stop_if_diverged,
+    HeldOut, RunClock, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision,
+    stop_if_diverged,
 )
 from lnfree.removal.resolve import (  # noqa: F401 (re-exported)
     RunError, context_length, learning_rate, micro_batches, resolve_run, sigma_momentum_per_step,
