@@ -1,0 +1,58 @@
+"""Paired CE differences over the sequences on which every model is finite, from `lnfree eval`'s per-model CSVs.
+
+    python experiments/robust/paired_finite.py experiments/results/gemma3-270m/robust/teacher1400 \
+        vanilla ln_free ln_free_teacher1400
+
+Where one model is non-finite on some sequence, `lnfree eval`'s means and pairwise table are NaN; this reads the
+per-sequence means of LABEL.csv in DIR, drops the sequences any model fails on (listed), and gives each model's mean
+and each pair's difference (later minus earlier) with a 95 % circular moving-block bootstrap (blocks of 26
+neighbouring sequences, 1,000 resamples, seed 0). Writes DIR/paired_finite.md and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import random
+from itertools import combinations
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("labels", nargs="+")
+    args = parser.parse_args()
+    ce = {}
+    for label in args.labels:
+        rows = list(csv.DictReader(open(args.folder / f"{label}.csv")))
+        ce[label] = [(float(r["mean_ce"]) if r["mean_ce"] else None, int(r["scored_tokens"])) for r in rows]
+    n_all = len(ce[args.labels[0]])
+    keep = [i for i in range(n_all) if all(ce[label][i][0] is not None for label in args.labels)]
+    dropped = sorted(set(range(n_all)) - set(keep))
+
+    def mean(label: str, idx: list[int]) -> float:
+        return sum(ce[label][i][0] * ce[label][i][1] for i in idx) / sum(ce[label][i][1] for i in idx)
+
+    lines = [f"Sequences: {len(keep)} of {n_all} (dropped, non-finite in some model: {dropped})", "",
+             "| model | mean CE |", "|---|---|"]
+    lines += [f"| {label} | {mean(label, keep):.4f} |" for label in args.labels]
+    lines += ["", "| a | b | b − a | 95 % CI |", "|---|---|---|---|"]
+    rng, block = random.Random(0), 26
+    for a, b in combinations(args.labels, 2):
+        boots = []
+        for _ in range(1000):
+            idx: list[int] = []
+            while len(idx) < len(keep):
+                start = rng.randrange(len(keep))
+                idx += [keep[(start + j) % len(keep)] for j in range(block)]
+            boots.append(mean(b, idx[:len(keep)]) - mean(a, idx[:len(keep)]))
+        boots.sort()
+        lines.append(f"| {a} | {b} | {mean(b, keep) - mean(a, keep):+.4f} | [{boots[25]:+.4f}, {boots[974]:+.4f}] |")
+    text = "\n".join(lines) + "\n"
+    (args.folder / "paired_finite.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
