@@ -1,12 +1,13 @@
 """Paired CE differences over the sequences on which every model is finite, from `lnfree eval`'s per-model CSVs.
 
-    python experiments/robust/paired_finite.py experiments/results/gemma3-270m/robust/teacher1400 \
-        vanilla ln_free ln_free_teacher1400
+    python experiments/robust/paired_finite.py experiments/results/gemma3-270m/robust/teacher1400/paired_finite.md \
+        experiments/results/gemma3-270m/robust/teacher1400/{vanilla,ln_free,ln_free_teacher1400}.csv
 
 Where one model is non-finite on some sequence, `lnfree eval`'s means and pairwise table are NaN; this reads the
-per-sequence means of LABEL.csv in DIR, drops the sequences any model fails on (listed), and gives each model's mean
-and each pair's difference (later minus earlier) with a 95 % circular moving-block bootstrap (blocks of 26
-neighbouring sequences, 1,000 resamples, seed 0). Writes DIR/paired_finite.md and prints it.
+per-sequence means of each LABEL.csv (the models' rows of the same dataset, from one or several `lnfree eval`
+folders), drops the sequences any model fails on (listed), and gives each model's mean and each pair's difference
+(later minus earlier) with a 95 % circular moving-block bootstrap (blocks of 26 neighbouring sequences, 1,000
+resamples, seed 0). Writes OUT and prints it.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("labels", nargs="+")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("csvs", type=Path, nargs="+")
     args = parser.parse_args()
     ce = {}
-    for label in args.labels:
-        rows = list(csv.DictReader(open(args.folder / f"{label}.csv")))
-        ce[label] = [(float(r["mean_ce"]) if r["mean_ce"] else None, int(r["scored_tokens"])) for r in rows]
-    n_all = len(ce[args.labels[0]])
-    keep = [i for i in range(n_all) if all(ce[label][i][0] is not None for label in args.labels)]
+    for path in args.csvs:
+        rows = list(csv.DictReader(open(path)))
+        ce[path.stem] = [(float(r["mean_ce"]) if r["mean_ce"] else None, int(r["scored_tokens"])) for r in rows]
+    labels = list(ce)
+    n_all = len(ce[labels[0]])
+    if any(len(rows) != n_all for rows in ce.values()):
+        raise SystemExit("the CSVs hold different numbers of sequences: not the same dataset")
+    keep = [i for i in range(n_all) if all(ce[label][i][0] is not None for label in labels)]
     dropped = sorted(set(range(n_all)) - set(keep))
 
     def mean(label: str, idx: list[int]) -> float:
@@ -36,10 +40,10 @@ def main() -> None:
 
     lines = [f"Sequences: {len(keep)} of {n_all} (dropped, non-finite in some model: {dropped})", "",
              "| model | mean CE |", "|---|---|"]
-    lines += [f"| {label} | {mean(label, keep):.4f} |" for label in args.labels]
+    lines += [f"| {label} | {mean(label, keep):.4f} |" for label in labels]
     lines += ["", "| a | b | b − a | 95 % CI |", "|---|---|---|---|"]
     rng, block = random.Random(0), 26
-    for a, b in combinations(args.labels, 2):
+    for a, b in combinations(labels, 2):
         boots = []
         for _ in range(1000):
             idx: list[int] = []
@@ -50,7 +54,7 @@ def main() -> None:
         boots.sort()
         lines.append(f"| {a} | {b} | {mean(b, keep) - mean(a, keep):+.4f} | [{boots[25]:+.4f}, {boots[974]:+.4f}] |")
     text = "\n".join(lines) + "\n"
-    (args.folder / "paired_finite.md").write_text(text)
+    args.out.write_text(text)
     print(text)
 
 
