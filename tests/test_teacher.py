@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -12,6 +11,7 @@ from safetensors.torch import load_file
 from lnfree.removal.config import ConfigError, with_overrides
 from lnfree.removal.layout import LOG, latest_checkpoint
 from lnfree.removal.losses.distill import TeacherError, load_teacher, vanilla_checkpoint
+from lnfree.removal.records import read_records
 from lnfree.removal.train import RunError, run
 
 
@@ -21,7 +21,7 @@ def test_it_needs_distillation(run_config):
 
 
 def _records(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / LOG).read_text().splitlines()]
+    return read_records(output_dir / LOG)
 
 
 def _first_kl(output_dir) -> float:

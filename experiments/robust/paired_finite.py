@@ -6,17 +6,26 @@
 Where one model is non-finite on some sequence, `lnfree eval`'s means and pairwise table are NaN; this reads the
 per-sequence means of each LABEL.csv (the models' rows of the same dataset, from one or several `lnfree eval`
 folders), drops the sequences any model fails on (listed), and gives each model's mean and each pair's difference
-(later minus earlier) with a 95 % circular moving-block bootstrap (blocks of 26 neighbouring sequences, 1,000
-resamples, seed 0). Writes OUT and prints it.
+(later minus earlier) with the 95 % circular moving-block bootstrap of `lnfree eval`
+(`lnfree.evaluate.results.bootstrap_ci`, its default block length over the sequences kept, 1,000 resamples, seed 0).
+Writes OUT and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import random
 from itertools import combinations
 from pathlib import Path
+
+import numpy as np
+
+from lnfree.evaluate.results import auto_block, bootstrap_ci
+
+
+def weighted_difference(units: np.ndarray) -> float:
+    """b's token-weighted mean CE minus a's, over rows of (a's CE sum, a's tokens, b's CE sum, b's tokens)."""
+    return units[:, 2].sum() / units[:, 3].sum() - units[:, 0].sum() / units[:, 1].sum()
 
 
 def main() -> None:
@@ -42,17 +51,11 @@ def main() -> None:
              "| model | mean CE |", "|---|---|"]
     lines += [f"| {label} | {mean(label, keep):.4f} |" for label in labels]
     lines += ["", "| a | b | b − a | 95 % CI |", "|---|---|---|---|"]
-    rng, block = random.Random(0), 26
     for a, b in combinations(labels, 2):
-        boots = []
-        for _ in range(1000):
-            idx: list[int] = []
-            while len(idx) < len(keep):
-                start = rng.randrange(len(keep))
-                idx += [keep[(start + j) % len(keep)] for j in range(block)]
-            boots.append(mean(b, idx[:len(keep)]) - mean(a, idx[:len(keep)]))
-        boots.sort()
-        lines.append(f"| {a} | {b} | {mean(b, keep) - mean(a, keep):+.4f} | [{boots[25]:+.4f}, {boots[974]:+.4f}] |")
+        # one unit per kept sequence: a's CE sum and tokens, then b's; the statistic is the token-weighted difference
+        units = np.array([[ce[m][i][0] * ce[m][i][1], ce[m][i][1]] for i in keep for m in (a, b)]).reshape(-1, 4)
+        low, high = bootstrap_ci(units, statistic=weighted_difference, block=auto_block(len(keep)))
+        lines.append(f"| {a} | {b} | {mean(b, keep) - mean(a, keep):+.4f} | [{low:+.4f}, {high:+.4f}] |")
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     print(text)
