@@ -5,15 +5,17 @@ one-command run, test half: +0.12 nats at positions 4-7, +0.19 at 32-63), where 
 tokens. Copying a span seen before is the plainest such skill, and needs sharp attention to one earlier token
 among many, what the per-head norms (q_norm, k_norm) bound in the original:
 
-    python experiments/robust/induction.py MODEL... [--labels ...] [--span 31] [--rows 64] [--out FILE.md]
-        [--json FILE.json]
+    python experiments/robust/induction.py MODEL... [--labels ...] [--span 31] [--rows 64] [--heads 8]
+        [--out FILE.md] [--json FILE.json]
 
 Each row: BOS (where the family reads one), then `span` ids drawn at random (seeded) from the ids of the
 realtext training split seen at least `--min-count` times (0: the whole vocabulary, as `train.coverage`'s copy rows
 draw them), then the same ids again. The table gives each model's rows with a runaway token and, over the others,
 its mean CE over the first span (nothing to copy) and over the repeat after its first token (everything to copy: near
 0 for a model that copies; ln(span) for one that spreads its bet evenly over the ids in its context), with the CE
-by distance into the repeat.
+by distance into the repeat. With `--heads N`, a second table gives each head's induction score, the mean attention
+from a token of the repeat to the token after that id's first occurrence (the one to copy), for the first model's N
+highest-scoring heads: whether a model that stopped copying still attends where the original's induction heads do.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ import torch
 from lnfree.data.documents import bos_token, prepare_data
 from lnfree.evaluate import load_models
 from lnfree.removal.config import DataConfig
+from lnfree.removal.losses.attention import AttentionPatterns
 
 #: A token's CE that marks its row as run away: far above what a bounded model gives on such rows (the original
 #: scores some tokens of random ids above 30 nats, the issue's threshold for real text, by confident mistakes).
 RUNAWAY_NATS = 100.0
 BUCKETS = ((1, 3), (4, 7), (8, 15), (16, 31))  # positions into the repeat (its first token is position 0)
+SPAN = 31  # ids per span (the default of --span)
+MIN_COUNT = 20  # the ids drawn: those seen at least this often in training (the default of --min-count)
 
 
 def token_pool(train: np.ndarray, special: set[int], min_count: int, vocab_size: int) -> np.ndarray:
@@ -65,15 +70,57 @@ def token_ce(model, ids: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def copying_ce(model, ids: torch.Tensor, span: int, batch: int) -> tuple[float, int]:
+    """The mean CE over the repeat after its first token (rows with a runaway token left out), and how many rows ran
+    away."""
+    token = token_ce(model, ids, batch)
+    bounded = (token <= RUNAWAY_NATS).all(dim=1)  # NaN compares False: a non-finite row is a runaway one
+    return float(token[bounded][:, ids.shape[1] - span:].mean()), int((~bounded).sum())
+
+
+@torch.no_grad()
+def induction_scores(model, ids: torch.Tensor, span: int, batch: int) -> torch.Tensor:
+    """(blocks, heads): mean attention from each query of the repeat but its first to the key one place after the
+    same id's first occurrence (query q attends to q − span + 1)."""
+    patterns = AttentionPatterns(model)
+    total = 0
+    queries = torch.arange(ids.shape[1] - span + 1, ids.shape[1])
+    for chunk in ids.split(batch):
+        with patterns.capturing():
+            model(input_ids=chunk, use_cache=False)
+        rows = torch.stack([p.float() for p in patterns.take()])  # blocks, batch, heads, queries, keys
+        total = total + rows[:, :, :, queries, queries - span + 1].sum((1, 3))
+    patterns.remove()
+    return total / (len(ids) * len(queries))
+
+
+def heads_table(labels: list[str], scores: list[torch.Tensor], top: int) -> tuple[list[str], dict]:
+    """Markdown lines and a record: the first model's `top` induction heads, each model's score at them."""
+    order = scores[0].flatten().argsort(descending=True)[:top]
+    heads = [(int(i) // scores[0].shape[1], int(i) % scores[0].shape[1]) for i in order]
+    lines = ["", f"Induction score (mean attention to the token to copy; 1/(position) is an even spread) of the first "
+             f"model's {top} highest-scoring heads, block.head", "",
+             "| model | " + " | ".join(f"{b}.{h}" for b, h in heads) + " | largest, any head |",
+             "|" + "---|" * (len(heads) + 2)]
+    record = {}
+    for label, score in zip(labels, scores):
+        values = [float(score[b, h]) for b, h in heads]
+        record[label] = {f"{b}.{h}": round(v, 4) for (b, h), v in zip(heads, values)} | {"max": float(score.max())}
+        lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in values) + f" | {float(score.max()):.3f} |")
+    return lines, record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help="model names or checkpoint folders")
     parser.add_argument("--labels", nargs="+")
-    parser.add_argument("--span", type=int, default=31)
+    parser.add_argument("--span", type=int, default=SPAN)
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--min-count", type=int, default=20, help="0: ids from the whole vocabulary")
+    parser.add_argument("--min-count", type=int, default=MIN_COUNT, help="0: ids from the whole vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=0, help="also the induction score of the first model's top "
+                        "HEADS heads in every model (eager attention; 0: none)")
     parser.add_argument("--out", type=Path, help="the table, as markdown")
     parser.add_argument("--json", type=Path, help="the same numbers as JSON (experiments/robust/summary.py reads it)")
     args = parser.parse_args()
@@ -108,6 +155,10 @@ def main() -> None:
         record["models"][model.label] = {k: round(float(v), 4) for k, v in cells.items()}
         lines.append(f"| {model.label} | " + " | ".join(f"{float(c):.3f}" if k != "runaway_rows" else str(int(c))
                                                        for k, c in cells.items()) + " |")
+    if args.heads:
+        scores = [induction_scores(model.module, ids, args.span, args.batch_size) for model in loaded]
+        head_lines, record["induction_heads"] = heads_table([m.label for m in loaded], scores, args.heads)
+        lines += head_lines
     text = "\n".join(lines) + "\n"
     print(text)
     for path, content in ((args.out, text), (args.json, json.dumps(record, indent=1) + "\n")):
