@@ -81,6 +81,25 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     assert len(temperature) == 1 and "--labels vanilla ln_free original" in temperature[0]
 
 
+def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_before_its_first(tmp_path):
+    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
+    shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
+    runs = tmp_path / "runs/robust/gemma3"
+    for arm in ("ln_free", "vanilla"):  # both started; only the control saved a complete checkpoint
+        (runs / arm).mkdir(parents=True)
+        (runs / arm / "run_config.json").write_text("{}")
+    (runs / "ln_free/checkpoints/.partial-step_000050").mkdir(parents=True)  # interrupted while being written
+    (runs / "vanilla/checkpoints/step_000050").mkdir(parents=True)
+    (runs / "vanilla/checkpoints/step_000050/trainer_state.json").write_text("{}")
+    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    removals = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ lnfree remove")]
+    assert removals[0].endswith(" --overwrite") and "--mode vanilla" not in removals[0]
+    assert removals[1].endswith(" --resume") and "--mode vanilla" in removals[1]
+
+
 def _experiment_script(folder: str, name: str):
     """experiments/FOLDER/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
     sys.path.insert(0, str(ROOT / "experiments" / folder))
@@ -171,6 +190,29 @@ def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_
     assert calibration["best_temperature"] == {"vanilla": best["control"], "ln_free": best["sharp"],
                                                "original": best["control"]}
     assert calibration["gap"] == result["gaps"]["sharp"]["all"] and calibration["tokens"] == 96 * 63
+
+
+def test_the_copy_lens_ends_at_the_models_own_ce_and_the_induction_score_finds_the_bundled_models_heads():
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2LMHeadModel
+
+    from lnfree.data.tiny import TINY_MODEL_DIR
+
+    induction, lens = _robust_script("induction"), _robust_script("copy_lens")
+    model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR, local_files_only=True).eval()
+    ids = induction.rows(torch.arange(50, model.config.vocab_size).numpy(), 8, lens.SPAN, None, seed=0)
+    by_sublayer = lens.lens_ce(model, ids)
+    assert by_sublayer.shape == (2, model.config.n_layer)
+    # the last block read through the final norm and head is the model's output: its CE over the repeat
+    output = induction.token_ce(model, ids, 8)[:, lens.SPAN:].mean()
+    assert abs(float(by_sublayer[1, -1]) - float(output)) < 1e-3
+    assert induction.copying_ce(model, ids, lens.SPAN, 8) == pytest.approx((float(output), 0), abs=1e-5)
+    assert (by_sublayer[0] != by_sublayer[1]).all()  # read inside each block, before its MLP
+    scores = induction.induction_scores(model, ids, lens.SPAN, 8)
+    assert scores.shape == (model.config.n_layer, model.config.n_head)
+    assert ((scores >= 0) & (scores <= 1)).all()
+    # measured: blocks 0, 1 and 3 at most 0.02; block 2's heads 2 and 3 at 0.20 and 0.15 (an even spread: 1/32-1/62)
+    assert scores[2].max() > 0.1 > scores[[0, 1, 3]].max()
 
 
 def test_a_pilot_page_names_a_shared_config_once_and_distinct_ones_per_run(tmp_path, monkeypatch):

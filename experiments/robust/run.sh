@@ -39,7 +39,11 @@ removal_run() {  # removal_run DIR EXTRA_ARGS...: start, resume, or leave a fini
     return 0
   fi
   local resume=()
-  [[ -f $REPO_ROOT/$dir/run_config.json ]] && resume=(--resume)
+  if compgen -G "$REPO_ROOT/$dir/checkpoints/step_*/trainer_state.json" >/dev/null; then
+    resume=(--resume)
+  elif [[ -f $REPO_ROOT/$dir/run_config.json ]]; then
+    resume=(--overwrite)  # stopped before its first checkpoint: nothing to resume, start it again
+  fi
   # a finished run whose export was refused (the model overflows on some probe row) still has its summary
   run "$dir" lnfree remove --config "$config" -o "$dir" "$@" "${resume[@]}" || [[ -f $REPO_ROOT/$dir/summary.json ]]
 }
