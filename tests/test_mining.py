@@ -41,7 +41,8 @@ def test_mining_finds_an_id_planted_to_run_away_when_repeated(run_config):
     from lnfree.models.base import load_base
 
     model, _ = load_base(run_config().model)
-    text = torch.randint(0, model.config.vocab_size, (4, 16))
+    text = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    text[text == 11] = 12  # the planted id must not be in the text: it would widen the envelope it is judged by
     assert text_envelope(model, text).shape == (model.config.n_layer + 1,)
     clean = mine(model, Mining(of=1), text, bos=None, seed=0)
     swept = clean.swept
@@ -60,7 +61,8 @@ def test_the_random_sweep_mines_the_first_id_that_overflows_among_random_ids(run
     from lnfree.models.base import load_base
 
     model, _ = load_base(run_config().model)
-    text = torch.randint(0, model.config.vocab_size, (4, 16))
+    text = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    text[text == 11] = 12  # the planted id must not be in the text: it would widen the envelope it is judged by
     clean = mine(model, Mining(of=1, random=True, random_context=16), text, bos=None, seed=0)
     with torch.no_grad():
         model.transformer.wte.weight[11] *= 1e3

@@ -6,9 +6,8 @@ The rows of induction.py's probe (BOS, 31 ids seen at least 20 times in the real
 again). For each model the residual stream after every block is read through the model's own final norm and
 unembedding, after each block's attention sublayer and after the whole block, and the table gives the mean CE of the
 id to copy over the repeat (after its first token): the sublayer at which the CE falls is where the copied id is
-written. A model whose induction heads still attend to the
-right token (induction.py --heads) but whose CE never falls there has lost what those heads write; one whose CE
-falls and rises again loses it to the blocks above.
+written. A model whose induction heads still attend to the right token (induction.py --heads) but whose CE never
+falls there has lost what those heads write; one whose CE falls and rises again loses it to the blocks above.
 """
 
 from __future__ import annotations
