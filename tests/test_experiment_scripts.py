@@ -60,15 +60,20 @@ def test_side_by_side_runs_in_turn_on_one_core(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path):
-    # a copy of the scripts, so that run folders of this checkout (a finished run prints no command) do not count
-    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
+def _robust_dry_run(tmp_path: Path) -> list[str]:
+    """The commands `experiments/robust/run.sh --dry-run gemma3` prints, run from a copy of the scripts in `tmp_path`
+    (so that run folders of this checkout, where a finished run prints no command, do not count)."""
+    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust", dirs_exist_ok=True)
     shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
     done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
-    commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+    return [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path):
+    commands = _robust_dry_run(tmp_path)
     assert commands[0].startswith("lnfree remove") and "--mode vanilla" not in commands[0]
     assert commands[1].startswith("lnfree remove") and "--mode vanilla" in commands[1]  # (--resume where it ran)
     stress = [c.split(" --labels ")[1].split(" --")[0] for c in commands if c.startswith("lnfree stress")]
@@ -82,8 +87,6 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
 
 
 def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_before_its_first(tmp_path):
-    shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
-    shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
     runs = tmp_path / "runs/robust/gemma3"
     for arm in ("ln_free", "vanilla"):  # both started; only the control saved a complete checkpoint
         (runs / arm).mkdir(parents=True)
@@ -91,11 +94,7 @@ def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_bef
     (runs / "ln_free/checkpoints/.partial-step_000050").mkdir(parents=True)  # interrupted while being written
     (runs / "vanilla/checkpoints/step_000050").mkdir(parents=True)
     (runs / "vanilla/checkpoints/step_000050/trainer_state.json").write_text("{}")
-    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-    assert done.returncode == 0, done.stderr
-    removals = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ lnfree remove")]
+    removals = [c for c in _robust_dry_run(tmp_path) if c.startswith("lnfree remove")]
     assert removals[0].endswith(" --overwrite") and "--mode vanilla" not in removals[0]
     assert removals[1].endswith(" --resume") and "--mode vanilla" in removals[1]
 

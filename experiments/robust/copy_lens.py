@@ -13,17 +13,14 @@ falls there has lost what those heads write; one whose CE falls and rises again 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from induction import MIN_COUNT, SPAN, rows, token_pool  # this folder's copying probe (its folder is on the path)
+# this folder's copying probe (run as a script, its folder is on the path)
+from induction import MIN_COUNT, SPAN, load_probe, write_report
 from lnfree.analysis.residual import residual_stream
 from lnfree.arch import architecture
-from lnfree.data.documents import bos_token, prepare_data
-from lnfree.evaluate import load_models
-from lnfree.removal.config import DataConfig
 
 
 @torch.no_grad()
@@ -60,12 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the table, as markdown")
     parser.add_argument("--json", type=Path, help="the same numbers as JSON")
     args = parser.parse_args()
-    loaded = load_models(args.models, args.labels, form="hf", dtype="fp32")
-    tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
-    bos = bos_token(loaded[0].module, tokenizer)
-    data = prepare_data(DataConfig(source="realtext", context_length=64), tokenizer, 64, config.vocab_size, bos)
-    pool = token_pool(data.train, set(tokenizer.all_special_ids), MIN_COUNT, config.vocab_size)
-    ids = rows(pool, args.rows, SPAN, bos, args.seed)
+    loaded, _, _, ids = load_probe(args.models, args.labels, args.rows, SPAN, MIN_COUNT, args.seed)
     record = {}
     for model in loaded:
         attention, block = lens_ce(model.module.eval(), ids).tolist()
@@ -79,12 +71,7 @@ def main() -> None:
     reads = (("attn", "after_attention"), ("out", "after_block"))
     lines += [f"| {label} | {read} | " + " | ".join(f"{v:.2f}" for v in values[key]) + " |"
               for label, values in record.items() for read, key in reads]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    for path, content in ((args.out, text), (args.json, json.dumps(record, indent=1) + "\n")):
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+    write_report("\n".join(lines) + "\n", record, args.out, args.json)
 
 
 if __name__ == "__main__":

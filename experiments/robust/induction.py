@@ -110,6 +110,26 @@ def heads_table(labels: list[str], scores: list[torch.Tensor], top: int) -> tupl
     return lines, record
 
 
+def load_probe(models: list[str], labels: list[str] | None, n: int, span: int, min_count: int, seed: int):
+    """The models (fp32, lnfree's exact form), their BOS (None where the family reads none), the id pool and `n`
+    probe rows."""
+    loaded = load_models(models, labels, form="hf", dtype="fp32")
+    tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
+    bos = bos_token(loaded[0].module, tokenizer)
+    data = prepare_data(DataConfig(source="realtext", context_length=64), tokenizer, 64, config.vocab_size, bos)
+    pool = token_pool(data.train, set(tokenizer.all_special_ids), min_count, config.vocab_size)
+    return loaded, bos, pool, rows(pool, n, span, bos, seed)
+
+
+def write_report(text: str, record: dict, out: Path | None, json_path: Path | None) -> None:
+    """Print the table and write it (markdown) and the record (JSON) where asked."""
+    print(text)
+    for path, content in ((out, text), (json_path, json.dumps(record, indent=1) + "\n")):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help="model names or checkpoint folders")
@@ -124,12 +144,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the table, as markdown")
     parser.add_argument("--json", type=Path, help="the same numbers as JSON (experiments/robust/summary.py reads it)")
     args = parser.parse_args()
-    loaded = load_models(args.models, args.labels, form="hf", dtype="fp32")
-    tokenizer, config = loaded[0].tokenizer, loaded[0].module.config
-    bos = bos_token(loaded[0].module, tokenizer)
-    data = prepare_data(DataConfig(source="realtext", context_length=64), tokenizer, 64, config.vocab_size, bos)
-    pool = token_pool(data.train, set(tokenizer.all_special_ids), args.min_count, config.vocab_size)
-    ids = rows(pool, args.rows, args.span, bos, args.seed)
+    loaded, bos, pool, ids = load_probe(args.models, args.labels, args.rows, args.span, args.min_count, args.seed)
     first = 1 if bos is not None else 0  # where the first span starts
     repeat = first + args.span  # where the repeat starts
     buckets = [(a, min(b, args.span - 1)) for a, b in BUCKETS if a < args.span]
@@ -159,12 +174,7 @@ def main() -> None:
         scores = [induction_scores(model.module, ids, args.span, args.batch_size) for model in loaded]
         head_lines, record["induction_heads"] = heads_table([m.label for m in loaded], scores, args.heads)
         lines += head_lines
-    text = "\n".join(lines) + "\n"
-    print(text)
-    for path, content in ((args.out, text), (args.json, json.dumps(record, indent=1) + "\n")):
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+    write_report("\n".join(lines) + "\n", record, args.out, args.json)
 
 
 if __name__ == "__main__":
