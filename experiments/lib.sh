@@ -68,7 +68,8 @@ run() {
   shift
   echo "+ $*"
   [[ $DRY_RUN == 1 ]] && return 0
-  (cd "$REPO_ROOT" && "$@")
+  # `|| return`: called as `run … || …` (set -e is off there) a failed command would otherwise go unnoticed
+  (cd "$REPO_ROOT" && "$@") || return
   mkdir -p "$REPO_ROOT/$out"
   { printf '%q ' "$@"; echo; } >"$REPO_ROOT/$out/command.txt"
 }

@@ -52,6 +52,15 @@ def test_side_by_side_fails_when_one_function_fails(tmp_path):
     assert "done" in (tmp_path / "logs/first.log").read_text()  # the other one still ran to its end
 
 
+def test_a_failed_run_fails_where_set_e_is_off_and_records_no_command(tmp_path):
+    # the removal's step of robust/run.sh is `run … || [[ -f summary.json ]]`: a run killed for memory after its
+    # last checkpoint went on to the measurements without the run's summary
+    done = _bash(FUNCTIONS + 'run out broken || echo "caught $?"\nrun done echo fine', tmp_path, cores=2)
+    assert done.returncode == 0, done.stderr
+    assert "caught 3" in done.stdout and "fine" in done.stdout
+    assert not (tmp_path / "out").exists() and (tmp_path / "done/command.txt").read_text().strip() == "echo fine"
+
+
 def test_side_by_side_runs_in_turn_on_one_core(tmp_path):
     done = _bash(FUNCTIONS + "side_by_side logs first second", tmp_path, cores=1)
     assert done.returncode == 0, done.stderr
@@ -212,6 +221,17 @@ def test_the_copy_lens_ends_at_the_models_own_ce_and_the_induction_score_finds_t
     assert ((scores >= 0) & (scores <= 1)).all()
     # measured: blocks 0, 1 and 3 at most 0.02; block 2's heads 2 and 3 at 0.20 and 0.15 (an even spread: 1/32-1/62)
     assert scores[2].max() > 0.1 > scores[[0, 1, 3]].max()
+
+    # only the final norm fixed, at a σ 8× the residuals': read through it, every residual is flattened; --real-final
+    # reads it through the real norm again, as in the model with every norm real
+    from lnfree.fixedscale import surgery
+
+    final = surgery.scale_states(surgery.install(model))["ln_f"]
+    surgery.initialise_sigmas(model, [ids])
+    final.sigma.mul_(8.0)
+    final.switch_to_fixed()
+    assert (lens.lens_ce(model, ids) - by_sublayer).abs().max() > 0.1
+    assert torch.allclose(lens.lens_ce(model, ids, real_final=True), by_sublayer, atol=1e-4)
 
 
 def test_a_pilot_page_names_a_shared_config_once_and_distinct_ones_per_run(tmp_path, monkeypatch):

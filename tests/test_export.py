@@ -204,6 +204,31 @@ def test_comparing_logits_counts_a_non_finite_logit_as_an_infinite_difference():
     assert large["max_abs_diff"] > 1e-4 and within(large, 1e-4) and not within(large, 1e-5)
 
 
+def test_comparing_logits_holds_a_bounded_number_of_them_and_still_finds_the_worst_token(monkeypatch):
+    from lnfree.removal.losses import probe
+
+    ids = torch.arange(12 * 4).reshape(12, 4)  # 12 rows of 4 tokens, 10 logits each: 40 logits a row
+    table = torch.randn(ids.numel(), 10, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def reference(x):
+        seen.append(len(x))
+        return table[x]
+
+    def model(x):
+        logits = table[x].clone()
+        logits[x == 9 * 4 + 2] += 0.5  # row 9, position 2
+        return logits
+
+    monkeypatch.setattr(probe, "COMPARE_LOGITS", 100)  # at most two rows' logits
+    measured = probe.compare_logits(model, reference, ids)
+    assert measured["worst_token"] == (9, 2) and measured["max_abs_diff"] == pytest.approx(0.5)
+    assert max(seen) == 2 and sum(seen) == 12
+    seen.clear()
+    monkeypatch.setattr(probe, "COMPARE_LOGITS", 10**6)
+    assert probe.compare_logits(model, reference, ids)["worst_token"] == (9, 2) and max(seen) == 8
+
+
 def test_probe_rows_without_bos_say_so_for_a_family_that_reads_one(tokenizer):
     from families import tiny_family
 

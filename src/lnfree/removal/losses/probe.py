@@ -26,6 +26,9 @@ MAX_SPECIAL_IDS = 32
 #: Worst per-token ‖Δlogits‖ / ‖logits‖ an export may show against the installed model: fp32 rounding
 #: through eps-trick weights of ~1e6 leaves ~1e-5 (the two forms round in different orders).
 RELATIVE_TOLERANCE = 1e-4
+#: Logits compare_logits holds at once: it keeps both sides in fp64 with a few temporaries of their size, so
+#: eight 64-token rows of Gemma's 262,144-id vocabulary took several GB (an export killed for memory).
+COMPARE_LOGITS = 2**24
 
 # Real text for a model that has no held-out data at hand: plain prose and a little code, written for lnfree.
 SAMPLE_TEXT = (
@@ -119,16 +122,18 @@ def logits_fn(model: torch.nn.Module):
 
 @torch.no_grad()
 def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> dict:
-    """`model` against `reference` (modules, or callables ids → logits) on `ids`, `batch_size` rows at
-    a time: the largest |Δlogit|, the largest |Δlogit| / max(1, the token's logit scale) (the largest
+    """`model` against `reference` (modules, or callables ids → logits) on `ids`, at most `batch_size` rows at
+    a time (fewer where a large vocabulary makes their logits exceed `COMPARE_LOGITS`): the largest |Δlogit|,
+    the largest |Δlogit| / max(1, the token's logit scale) (the largest
     |logit| of that token: fp32 rounds every logit of a token relative to the size of the vectors whose
     dot products give them, so a logit near 0 beside logits of 10 carries their rounding), and the
     worst token's relative error and (row, position). A non-finite logit on either side counts as an
     infinite difference."""
     model, reference = (logits_fn(m) if isinstance(m, torch.nn.Module) else m for m in (model, reference))
     worst = {"max_abs_diff": 0.0, "max_scaled_diff": 0.0, "worst_token_relative_error": -1.0, "worst_token": None}
-    for start in range(0, len(ids), batch_size):
-        batch = ids[start: start + batch_size]
+    start, rows = 0, 1  # the first row alone tells how large a row's logits are
+    while start < len(ids):
+        batch = ids[start: start + rows]
         logits, expected = model(batch), reference(batch)
         got, want = logits.double(), expected.double()
         finite = got.isfinite() & want.isfinite()
@@ -140,6 +145,8 @@ def compare_logits(model, reference, ids: torch.Tensor, batch_size: int = 8) -> 
         error, row, position = worst_token_relative_error(logits, expected)
         if error > worst["worst_token_relative_error"]:
             worst.update(worst_token_relative_error=error, worst_token=(start + row, position))
+        start += len(batch)
+        rows = max(1, min(batch_size, COMPARE_LOGITS // max(1, logits[0].numel())))
     return worst
 
 
