@@ -232,6 +232,7 @@ def test_the_copy_lens_ends_at_the_models_own_ce_and_the_induction_score_finds_t
     final.switch_to_fixed()
     assert (lens.lens_ce(model, ids) - by_sublayer).abs().max() > 0.1
     assert torch.allclose(lens.lens_ce(model, ids, real_final=True), by_sublayer, atol=1e-4)
+    assert final.is_fixed  # given back as it came
 
 
 def test_a_pilot_page_names_a_shared_config_once_and_distinct_ones_per_run(tmp_path, monkeypatch):

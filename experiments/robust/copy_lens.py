@@ -43,7 +43,9 @@ def lens_ce(model, ids: torch.Tensor, real_final: bool = False) -> torch.Tensor:
             handle.remove()
     final, head = model.get_submodule(arch.final_norm), model.get_output_embeddings()
     state = getattr(final, "state", None)  # lnfree's scale state; absent in a model with real norms only
+    fraction = None
     if real_final and state is not None and (state.is_fixed or state.is_blending):
+        fraction = 1.0 if state.is_fixed else 1.0 - float(state.mix)
         state.switch_to_real()
     queries = torch.arange(ids.shape[1] - SPAN, ids.shape[1] - 1)  # the repeat's tokens but its last, each predicting
     targets = ids[:, queries + 1]
@@ -52,7 +54,11 @@ def lens_ce(model, ids: torch.Tensor, real_final: bool = False) -> torch.Tensor:
         logits = head(final(residual[:, queries])).float()
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
 
-    return torch.stack([torch.stack([ce(r) for r in after_attention]), torch.stack([ce(r) for r in after_block])])
+    try:
+        return torch.stack([torch.stack([ce(r) for r in after_attention]), torch.stack([ce(r) for r in after_block])])
+    finally:
+        if fraction is not None:  # the model as it came
+            state.set_fixed_fraction(fraction)
 
 
 def main() -> None:
