@@ -45,7 +45,7 @@ def lens_ce(model, ids: torch.Tensor, real_final: bool = False) -> torch.Tensor:
     state = getattr(final, "state", None)  # lnfree's scale state; absent in a model with real norms only
     fraction = None
     if real_final and state is not None and (state.is_fixed or state.is_blending):
-        fraction = 1.0 if state.is_fixed else 1.0 - float(state.mix)
+        fraction = state.fixed_fraction
         state.switch_to_real()
     queries = torch.arange(ids.shape[1] - SPAN, ids.shape[1] - 1)  # the repeat's tokens but its last, each predicting
     targets = ids[:, queries + 1]

@@ -65,7 +65,7 @@ def main() -> None:
              f"| nothing (as trained) | 0 | {base:.4f} | — | {base_copy:.3f} | — | {base_runaway} |"]
     for kind in [*kinds, "every kind"]:
         chosen = [s for slot, s in fixed.items() if kind == "every kind" or slot.endswith("." + kind) or slot == kind]
-        fractions = [1.0 if s.is_fixed else 1.0 - float(s.mix) for s in chosen]
+        fractions = [s.fixed_fraction for s in chosen]
         for s in chosen:
             s.switch_to_real()
         value, (copy, runaway) = ce(), copying()

@@ -176,6 +176,11 @@ class ScaleState(nn.Module):
         self.fixed.fill_(False)
         self.is_fixed = self.is_blending = False
 
+    @property
+    def fixed_fraction(self) -> float:
+        """What `set_fixed_fraction` last set: 1 fixed, 0 real, between while blending (then a buffer read)."""
+        return 1.0 if self.is_fixed else 1.0 - float(self.mix) if self.is_blending else 0.0
+
     def disable_special(self, kind: str) -> None:
         """Stop using the special σ `kind` ('pos0' or 'eot'); those tokens use σ from now on."""
         self.fade_special(kind, 1.0)

@@ -237,7 +237,7 @@ def removal_state(model: nn.Module) -> dict[str, dict]:
     for name, state in scale_states(model).items():
         entry = {"fixed": state.is_fixed, "sigma": float(state.sigma)}
         if state.is_blending:
-            entry["fixed_fraction"] = 1 - float(state.mix)
+            entry["fixed_fraction"] = state.fixed_fraction
         if state.has_pos0:
             entry.update(sigma_pos0=float(state.sigma_pos0), pos0_active=state.pos0_on)
             if state.pos0_real_on:
