@@ -150,9 +150,10 @@ def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares
     assert calls[0].startswith("eval runs/robust/gemma3/vanilla runs/robust/gemma3/ln_free "
                                f"{branches}/vanilla {branches}/ln_free --labels vanilla ln_free vanilla+500 ln_free+500 "
                                "--dataset realtext-val")  # the validation half: never the test half
-    for call, arm, cosine in ((calls[1], "ln_free", 900), (calls[2], "vanilla", 1551)):
+    release = " --set removal.scale_ceiling.release_start=2050"  # the removal's ceiling released at its new end
+    for call, arm, cosine, tail in ((calls[1], "ln_free", 900, release), (calls[2], "vanilla", 1551, "")):
         assert call == (f"remove --config {branches}/{arm}/run_config.json -o {branches}/{arm} --resume "
-                        f"--set train.max_steps=2051 --set train.cosine_steps={cosine}")
+                        f"--set train.max_steps=2051 --set train.cosine_steps={cosine}{tail}")
         assert (tmp_path / branches / arm / "checkpoints/step_001551").is_dir()  # branched at the last step
         assert not (tmp_path / branches / arm / "checkpoints/step_001500").exists()
 

@@ -5,8 +5,10 @@
 #
 # 1. each run (the removal and its vanilla control) branched from its last checkpoint by branch.sh, with one
 #    difference from it: max_steps grows by STEPS. The learning rate stays at its floor and every loss, replay
-#    and mined id goes on as at the end; the two train side by side on half the cores each and resume when run
-#    again. Weights in runs/robust/MODEL/recovery-STEPS/{ln_free,vanilla}.
+#    and mined id goes on as at the end; the removal's scale ceiling is released at its new last step, as the
+#    run's was at its own (trained on without it, the finished removal's loss is non-finite at its first step;
+#    a vanilla run has no fixed norm for a ceiling to bound). The two train side by side on half the cores
+#    each and resume when run again. Weights in runs/robust/MODEL/recovery-STEPS/{ln_free,vanilla}.
 # 2. lnfree eval of the four models (each run's end, each continued run's end) on the validation half
 #    (realtext-val: selection data, never the test half), into experiments/results/<model>/robust/recovery-STEPS/:
 #    pairwise.csv has the gap at the end and after the STEPS more steps, with block-bootstrap CIs. The
@@ -35,7 +37,8 @@ last_step() {  # last_step RUN: the step of RUN's newest checkpoint (a finished 
 continue_run() {  # continue_run ARM: branch the run ARM from its end (or resume the branch)
   local arm=$1 from=$runs/$1 step cosine
   if [[ $DRY_RUN == 1 ]]; then
-    echo "+ experiments/robust/branch.sh $from LAST $branches/$arm --set train.max_steps=LAST+$steps --set train.cosine_steps=..."
+    echo "+ experiments/robust/branch.sh $from LAST $branches/$arm --set train.max_steps=LAST+$steps --set train.cosine_steps=..." \
+      "$([[ $arm == ln_free ]] && echo "--set removal.scale_ceiling.release_start=LAST+$((steps - 1))")"
     return 0
   fi
   step=$(last_step "$from")
@@ -43,8 +46,10 @@ continue_run() {  # continue_run ARM: branch the run ARM from its end (or resume
   # the learning-rate curve to `step` stays the run's: its cosine keeps its length (the run's max_steps if it had none)
   cosine=$(cd "$REPO_ROOT" && "$(python_bin)" -c "import json,sys; t=json.load(open(sys.argv[1]))['train']; \
 print(t['cosine_steps'] or t['max_steps'])" "$from/run_config.json")
+  local release=()
+  [[ $arm == ln_free ]] && release=(--set "removal.scale_ceiling.release_start=$((step + steps - 1))")
   run "$branches/$arm" experiments/robust/branch.sh "$from" "$step" "$branches/$arm" \
-    --set "train.max_steps=$((step + steps))" --set "train.cosine_steps=$cosine" \
+    --set "train.max_steps=$((step + steps))" --set "train.cosine_steps=$cosine" "${release[@]}" \
     || [[ -f $REPO_ROOT/$branches/$arm/summary.json ]]
 }
 continue_ln_free() { continue_run ln_free; }
