@@ -65,7 +65,8 @@ def test_a_diverging_run_stops_with_its_step_and_never_saves_the_non_finite_stat
 
     monkeypatch.setattr(objective_module, "auxiliary_loss", aux_that_overflows_at_step_4)
     config = run_config(save_every=2, log_every=5, micro_batch_size=8)
-    with pytest.raises(TrainingDiverged, match=r"not finite at step 4, just after removing .*latest checkpoint is step_000002"):
+    with pytest.raises(TrainingDiverged, match=r"not finite at step 4 \(not finite: loss, aux, grad_norm\), just after "
+                       r"removing .*latest checkpoint is step_000002"):
         run(config, progress=False)
     saved = sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir())
     assert saved == ["step_000002"]

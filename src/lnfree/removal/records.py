@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,16 +107,21 @@ def event_record(event: Event, model: nn.Module) -> dict:
     return record
 
 
-def stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Path) -> None:
-    """Raise `TrainingDiverged` if a step in `rows` (the steps up to `done`, one row each) was not finite."""
+def stop_if_diverged(rows: torch.Tensor, done: int, timeline: Timeline, out: Path,
+                     columns: Sequence[str] = ()) -> None:
+    """Raise `TrainingDiverged` if a step in `rows` (the steps up to `done`, one row each) was not finite;
+    the message names that step's non-finite `columns` (the names of the rows' entries)."""
     finite = torch.isfinite(rows).all(dim=1).tolist()
     if all(finite):
         return
-    bad = done - len(rows) + finite.index(False) + 1
+    first = finite.index(False)
+    bad = done - len(rows) + first + 1
+    named = [name for name, ok in zip(columns, torch.isfinite(rows[first]).tolist()) if not ok]
     recent = [f"{e.slot} at step {e.step}" for e in timeline.applied if bad - 10 <= e.step < bad][-5:]
     saved, _ = checkpoints(out)
     raise TrainingDiverged(
         f"training diverged: the loss or gradient norm was not finite at step {bad}"
+        + (f" (not finite: {', '.join(named)})" if named else "")
         + (f", just after removing {', '.join(recent)}" if recent else "")
         + f". Nothing after step {bad - 1} was saved; the latest checkpoint is "
         + (f"{saved[-1].name}." if saved else "none.")

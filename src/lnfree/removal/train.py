@@ -154,7 +154,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         saving = train.saves_after(done)
         logging_now = done % train.log_every == 0 or done == train.max_steps
         if logging_now or saving:  # before a non-finite model is saved
-            stop_if_diverged(torch.stack(pending), done, timeline, out)
+            stop_if_diverged(torch.stack(pending), done, timeline, out, (*TERMS, "grad_norm"))
         if logging_now:
             record = _log_losses(s, objective, pending, done, lr, clock)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")
