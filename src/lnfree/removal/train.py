@@ -49,7 +49,7 @@ from lnfree.models.base import load_base
 from lnfree.removal.losses.neuron_range import neuron_ranges
 from lnfree.removal.generated import coverage_rows, mine_if_due
 from lnfree.removal.mining import MinedIds
-from lnfree.removal.losses.objective import TAILS, TERMS, Objective
+from lnfree.removal.losses.objective import STEP_ROW, TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.precision import cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
@@ -126,7 +126,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     objective = Objective(bare, train, s.arch, s.teacher, s.data.eot_token_id, s.autocast)
     if train.neuron_range is not None:  # the teacher's: the same on every resume
         objective.neuron_ranges = neuron_ranges(s.teacher, _probe(config, s.batches, accelerator.device), s.autocast)
-    pending: list[torch.Tensor] = []  # per-step (TERMS, grad_norm), read once per log interval: no host sync
+    pending: list[torch.Tensor] = []  # per-step STEP_ROW, read once per log interval: no host sync
     bar = tqdm(range(start_step, train.max_steps), initial=start_step, total=train.max_steps,
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
@@ -154,7 +154,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         saving = train.saves_after(done)
         logging_now = done % train.log_every == 0 or done == train.max_steps
         if logging_now or saving:  # before a non-finite model is saved
-            stop_if_diverged(torch.stack(pending), done, timeline, out, (*TERMS, "grad_norm"))
+            stop_if_diverged(torch.stack(pending), done, timeline, out, STEP_ROW)
         if logging_now:
             record = _log_losses(s, objective, pending, done, lr, clock)
             bar.set_postfix(ce=f"{record['ce']:.3f}", aux=f"{record['aux']:.3g}")

@@ -65,6 +65,8 @@ from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, voc
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "attn",
          "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share")
+#: One training step's row, as train.py stacks and logs it: the `TERMS`, then the gradient norm.
+STEP_ROW = (*TERMS, "grad_norm")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
 TAILS = {"tail": "scale_tail", "pos0": "position0_tail", "mlp0": "position0_mlp", "range": "neuron_range",
          "gain": "neuron_gain", "margin": "stability_margin", "growth": "local_growth", "attn": "attention_kl"}
@@ -343,7 +345,7 @@ class Objective:
 
     def record(self, means: list[float]) -> dict:
         """A log record of `means` (the `TERMS` and the gradient norm), without the terms never computed."""
-        record = dict(zip((*TERMS, "grad_norm"), means))
+        record = dict(zip(STEP_ROW, means))
         if self.teacher is None:
             del record["kl"]
         if self.train.scale_loss_weight == 0:
