@@ -186,3 +186,38 @@ def test_a_cpu_bf16_run_uses_fp32_attention_at_short_contexts_only_and_unless_to
     config = run_config(mixed_precision="bf16", distill_alpha=0.5, max_steps=2, save_every=0, cpu_fp32_attention=on)
     result = run(with_overrides(config, {"removal.mode": "vanilla"}), progress=False)
     assert result.model.config._attn_implementation == (precision.FP32_ATTENTION if on and limit >= 64 else "sdpa")
+
+
+def _casts_and_grads(kept: bool) -> tuple[int, torch.Tensor]:
+    """Three forwards, each in its own autocast region with its own backward (as a step's text, coverage rows and
+    margin are), within `casts_kept` or not: autocast's weight casts counted, the first weight's gradient."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    x = torch.randn(4, 16)
+    with profile() as prof, precision.casts_kept(kept):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+    casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    return casts, model[0].weight.grad
+
+
+def test_a_steps_weight_casts_are_kept_across_its_autocast_regions_with_the_same_gradients():
+    casts, grad = _casts_and_grads(kept=False)
+    kept_casts, kept_grad = _casts_and_grads(kept=True)
+    assert torch.equal(kept_grad, grad)
+    assert kept_casts == casts - 8  # 2 weights and 2 biases cast once instead of three times
+
+
+def test_a_forward_without_gradient_first_leaves_the_later_forwards_their_gradients():
+    # the stability margin's clean pass runs without gradient; a cast kept from it would carry none
+    model, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    with precision.casts_kept():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+    assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0

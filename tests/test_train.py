@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -239,15 +240,22 @@ def test_a_resumed_run_keeps_what_auto_chose_at_its_start_and_records_the_machin
                            "precision": started_in, "cpu": cpu_description()}
 
 
-def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config, precision):
     from transformers import GPT2LMHeadModel
 
+    from lnfree.removal.frozen_head import FrozenHead
+
     config = with_overrides(run_config(max_steps=6, learning_rate=1e-3, eval_every=0),
-                            {"train.freeze_embeddings": True, "removal.mode": "vanilla"})
+                            {"train.freeze_embeddings": True, "removal.mode": "vanilla",
+                             "train.mixed_precision": precision})
     result = run(config, progress=False)
     before = GPT2LMHeadModel.from_pretrained(config.model)
     torch.testing.assert_close(result.model.transformer.wte.weight, before.transformer.wte.weight, rtol=0, atol=0)
     assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
+    # the head multiplies by one kept copy of the frozen tied weight (lnfree.removal.frozen_head), still tied
+    assert isinstance(result.model.lm_head, FrozenHead) and result.model.lm_head.weight is result.model.transformer.wte.weight
+    assert all(math.isfinite(r["loss"]) for r in records(result.output_dir / "log.jsonl").values())
 
 
 def test_adamw_is_fused_by_default_and_a_resumed_run_keeps_the_implementation_it_started_with(run_config, tmp_path):

@@ -13,6 +13,7 @@ run's short contexts, where PyTorch's bf16 kernel is the slower one (`attention_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -96,3 +97,20 @@ def use_fp32_attention(*models) -> None:
     for model in models:
         if model is not None:
             model.set_attn_implementation(FP32_ATTENTION)
+
+
+@contextlib.contextmanager
+def casts_kept(enabled: bool = True):
+    """Within: autocast keeps its 16-bit casts of the trained weights from one autocast region to the next (each
+    of a step's forwards, the text's, the coverage rows' and the stability margin's, entered its own and cast
+    every weight again), until the context is left; outside autocast nothing changes. The same values, cast
+    once per step. Not under FSDP (`enabled` False there), whose weights are gathered anew inside each forward."""
+    if not enabled:
+        yield
+        return
+    torch.autocast_increment_nesting()  # an inner region's exit then leaves autocast's cache alone
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -38,6 +38,7 @@ from lnfree.arch import architecture
 from lnfree.arch.base import Architecture
 from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
+from lnfree.removal.frozen_head import use_frozen_head
 from lnfree.removal.config import RunConfig
 from lnfree.removal.losses.coverage import Coverage, cap_share, gradients
 from lnfree.removal.losses.margin import margin_site
@@ -51,7 +52,7 @@ from lnfree.removal.generated import coverage_rows, mine_if_due
 from lnfree.removal.mining import MinedIds
 from lnfree.removal.losses.objective import STEP_ROW, TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
-from lnfree.removal.precision import cpu_description
+from lnfree.removal.precision import casts_kept, cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
     autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model, run_teacher)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
@@ -110,6 +111,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     damping = _damping(config, s.model, s.batches, out, resume, accelerator.is_main_process)
     if train.freeze_embeddings:
         freeze_token_embedding(s.model)
+    if accelerator.distributed_type != DistributedType.FSDP:  # FSDP gathers the weight inside its forward only
+        use_frozen_head(s.model, s.arch.unembedding)
     model, optimizer = accelerator.prepare(s.model, make_optimizer(s.model, config))
     bare = accelerator.unwrap_model(model)
     held_out = replace(s.held_out, model=model, bare=bare)  # evaluations now run the prepared model
@@ -141,7 +144,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
+        with casts_kept(accelerator.distributed_type != DistributedType.FSDP):
+            totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
             optimizer.step()

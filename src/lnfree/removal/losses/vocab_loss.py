@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lnfree.errors import UsageError
+from lnfree.removal.frozen_head import kept_transposed, product_backward
 from lnfree.removal.losses.distill import IGNORE, KL_CHUNK_TOKENS
 
 
@@ -134,14 +134,14 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
     tokens = hidden.shape[0]
     ce_sum = kl_sum = hidden.new_zeros((), dtype=torch.float32)
     labelled, scales = _scales(labels, tokens, spec)
-    w = _frozen_cast(weight, spec.dtype)
+    w_t = kept_transposed(weight, spec.dtype)  # hidden × vocabulary
     t_w = None if teacher is None else teacher[1].to(spec.teacher_dtype)
     grad_h = torch.zeros_like(hidden) if needs[0] else None
     grad_w = None
     for start in range(0, tokens, spec.chunk):
         rows = slice(start, start + spec.chunk)
         h = hidden[rows].detach().to(spec.dtype)
-        logits = F.linear(h, w).float()
+        logits = (h @ w_t).float()
         target = None if teacher is None else F.linear(teacher[0][rows].to(spec.teacher_dtype), t_w).float()
         ce, kl, grad = _chunk_terms(logits, None if labels is None else labels[rows], target, spec.temperature,
                                     scales if any(needs) else None)
@@ -150,7 +150,7 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
             continue
         grad = grad.to(spec.dtype)
         if grad_h is not None:
-            grad_h[rows] = grad @ w
+            grad_h[rows] = product_backward(grad, w_t)
         if needs[1]:
             grad_w = _accumulate(grad_w, grad, h, weight.dtype)
     return (*_totals(ce_sum, kl_sum, labelled, tokens, teacher is not None, spec), (grad_h, grad_w))
@@ -217,23 +217,6 @@ def _totals(ce_sum: torch.Tensor, kl_sum: torch.Tensor, labelled: torch.Tensor |
     ce = ce_sum / labelled if labelled is not None else zero
     kl = kl_sum * spec.temperature**2 / tokens if teaching else zero
     return spec.ce_weight * ce + spec.kl_weight * kl, ce, kl
-
-
-#: The 16-bit copies of frozen heads, by head weight: (its version and storage, the copy).
-_CASTS = WeakIdKeyDictionary()
-
-
-def _frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight` in `dtype`, detached; a weight without gradient (a tied head under `train.freeze_embeddings`)
-    is cast once and the copy kept while it is unchanged, instead of once per micro-batch (Gemma 3's
-    head: 168M values)."""
-    if weight.dtype == dtype or weight.requires_grad:
-        return weight.detach().to(dtype)
-    key = (weight._version, weight.data_ptr(), dtype)
-    kept = _CASTS.get(weight)
-    if kept is None or kept[0] != key:
-        kept = _CASTS[weight] = (key, weight.detach().to(dtype))
-    return kept[1]
 
 
 def _accumulate(total: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
