@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from throughput import setting
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "benchmarks/configs/smollm2-135m_vanilla_realtext.toml"
 PRECISIONS = {"fp32": "no", "bf16": "bf16"}
@@ -91,15 +93,6 @@ def attention_kernels(batch: int, heads: int, context: int, head_size: int) -> d
                 times.append(time.process_time() - start)
             out[f"{backend.name.lower()} {str(dtype).removeprefix('torch.')}"] = min(times[1:])
     return out
-
-
-def setting(text: str) -> tuple[str, object]:
-    """KEY=VALUE → (KEY, VALUE read as JSON, else the string)."""
-    key, _, value = text.partition("=")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 def main() -> None:

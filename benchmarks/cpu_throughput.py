@@ -29,7 +29,10 @@ throughput over the baseline's in that round, and writes them to
 (avx512_bf16 or AMX, `lnfree.removal.precision`) to be fast; the result records whether this one has it.
 
     python benchmarks/cpu_throughput.py [--config FILE] [--steps 10] [--warmup 2] [--rounds 2] [--chunk 1024]
-        [--variants "fp32,bf16"] [--baseline fp32] [--threads N] [--before DIR]
+        [--variants "fp32,bf16"] [--baseline fp32] [--threads N] [--before DIR] [--set KEY=VALUE ...]
+
+`--set KEY=VALUE` changes a setting of the cut config for every variant (a later stage's losses from step 0:
+`--set 'train.stability_margin={...}'`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from throughput import bench_config
+from throughput import bench_config, setting
 
 from lnfree.removal.config import with_overrides
 from lnfree.removal.precision import cpu_description, cpu_has_native_bf16
@@ -166,6 +169,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cpu_throughput_<model>")
     parser.add_argument("--baseline", default=BASELINE, help="the variant every ratio is over (default: fp32; with "
                         "--before: fp32 (lnfree before))")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for every variant (VALUE read as JSON where it parses)")
     parser.add_argument("--before", type=Path, default=None,
                         help=f"an lnfree checkout from before issue 38's changes: adds {', '.join(BEFORE)}, the baseline")
     args = parser.parse_args()
@@ -181,7 +186,8 @@ def main() -> None:
         parser.error("--steps must exceed --warmup + 1")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        config = bench_config(args.config, args.steps, Path(tmp) / "run")
+        config = with_overrides(bench_config(args.config, args.steps, Path(tmp) / "run"),
+                                dict(setting(s) for s in args.set))
         for round_ in range(args.rounds):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:

@@ -53,6 +53,15 @@ def bench_overrides(steps: int, out: Path) -> dict:
     }
 
 
+def setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE → (KEY, VALUE read as JSON, else the string)."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def step_seconds(log: Path, warmup: int) -> list[float]:
     """Seconds of each step after the first `warmup`, from the cumulative `seconds` of a run's log."""
     rows = [json.loads(line) for line in log.read_text().splitlines()]

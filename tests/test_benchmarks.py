@@ -95,3 +95,15 @@ def test_cpu_attention_times_each_way_and_marks_the_shapes_lnfree_computes_in_fp
     assert all(math.isfinite(ms) and ms > 0 for r in rows for ms in r["ms"].values())
     assert [r["lnfree_fp32"] for r in rows] == [True, False, True, False, False, False]
     assert "| flash bf16 |" in out.with_suffix(".txt").read_text()
+
+
+def test_frozen_head_benchmark_times_both_ways_and_checks_they_agree(tmp_path):
+    out = tmp_path / "frozen_head"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frozen_head.py"), "--vocab", "512", "--hidden", "32",
+                    "--tokens", "8,16", "--rounds", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [r["tokens"] for r in record["results"]] == [8, 16]
+    for r in record["results"]:
+        assert r["logits_equal"] and r["grad_max_relative_difference"] < 0.02
+        assert len(r["ratio_per_round"]) == 2 and all(x > 0 for x in r["ratio_per_round"])
+    assert "kept transposed copy" in out.with_suffix(".txt").read_text()
