@@ -215,9 +215,12 @@ class TokenData:
         """How many next-token predictions a held-out CE over `n_sequences` sequences averages."""
         return min(n_sequences, len(self.held_out)) * (self.context_length - 1)
 
-    def eval_batch(self, n_sequences: int) -> torch.Tensor:
-        """The first `n_sequences` held-out sequences (a deterministic choice)."""
-        return torch.from_numpy(self.held_out[:n_sequences].astype(np.int64))
+    def eval_batch(self, n_sequences: int, spread: bool = False) -> torch.Tensor:
+        """The first `n_sequences` held-out sequences, or with `spread` `n_sequences` evenly spaced over all of them
+        from the first (`data.eval_spread`); a deterministic choice either way."""
+        n = min(n_sequences, len(self.held_out))
+        rows = np.arange(n) * len(self.held_out) // n if spread else np.arange(n)
+        return torch.from_numpy(self.held_out[rows].astype(np.int64))
 
 
 def bos_token(model_or_config, tokenizer, rule: str = "family") -> int | None:

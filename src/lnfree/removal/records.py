@@ -37,12 +37,14 @@ class TrainingDiverged(LnfreeError, ValueError):
 
 
 @torch.no_grad()
-def held_out_ce(model: nn.Module, data: TokenData, n_sequences: int, batch_size: int, autocast) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) on the first `n_sequences` held-out sequences."""
+def held_out_ce(model: nn.Module, data: TokenData, n_sequences: int, batch_size: int, autocast,
+                spread: bool = False) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) on `n_sequences` held-out sequences (`TokenData.eval_batch`: the
+    first ones, or with `spread` evenly spaced)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    tokens = data.eval_batch(n_sequences)
+    tokens = data.eval_batch(n_sequences, spread)
     total = torch.zeros((), device=device, dtype=torch.float64)
     for chunk in tokens.split(batch_size):
         chunk = chunk.to(device)
@@ -67,10 +69,11 @@ class HeldOut:
     scale_probe: torch.Tensor  # the sequences on which the massive-activation scales are measured
     device: torch.device
     tokens: int  # next-token predictions behind each held-out CE
+    spread: bool = False  # data.eval_spread
 
     def ce(self) -> torch.Tensor:
         """The held-out cross-entropy (`held_out_ce`), on the device."""
-        return held_out_ce(self.model, self.data, self.n_sequences, self.batch_size, self.autocast)
+        return held_out_ce(self.model, self.data, self.n_sequences, self.batch_size, self.autocast, self.spread)
 
     def scales(self) -> dict[str, float]:
         """Position 0's and the outlier token's scale at the norm inputs (`lnfree.removal.losses.massive.massive_scales`)."""

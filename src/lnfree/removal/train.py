@@ -241,7 +241,7 @@ def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
         accelerator.init_trackers("lnfree", config=json.loads(config.model_dump_json()))
     scale_probe = data.eval_batch(min(config.data.eval_sequences, SCALE_SEQUENCES))
     held_out = HeldOut(model, model, data, config.data.eval_sequences, micro_batch, autocast, scale_probe,
-                       accelerator.device, scored)
+                       accelerator.device, scored, spread=config.data.eval_spread)
     return _Setup(config, accelerator, model, arch, events, data, batches, loader, held_out, log, teacher, autocast,
                   precision, momentum, steady, amended, *coverage_rows(config, accelerator.process_index, context,
                                                                        model, tokenizer),
