@@ -104,10 +104,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = [measure(int(t), args.rounds, args.vocab, args.hidden) for t in args.tokens.split(",")]
-    lines = [f"# A frozen {args.vocab:,} × {args.hidden} head under bf16 autocast, forward + input gradient, process CPU "
-             f"seconds, {args.threads} thread(s), {args.rounds} interleaved rounds; {cpu_description()}", "",
-             "| tokens | autocast (cast per forward) | kept transposed copy | autocast / kept, per round | logits equal "
-             "| gradient's largest relative difference |", "|---|---|---|---|---|---|"]
+    lines = [f"# A frozen {args.vocab:,} × {args.hidden} head under bf16 autocast, forward + input gradient, "
+             f"process CPU seconds, {args.threads} thread(s), {args.rounds} interleaved rounds; {cpu_description()}",
+             "", "| tokens | autocast (cast per forward) | kept transposed copy | autocast / kept, per round "
+             "| logits equal | gradient's largest relative difference |", "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['tokens']} | {r['median']['autocast']:.3f} | {r['median']['kept']:.3f} | "
                      f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])} | {r['logits_equal']} | "

@@ -51,11 +51,13 @@ def test_documents_are_joined_with_eot_and_eot_stays_a_target(tokenizer, tmp_pat
     # data.eval_spread: as many sequences, evenly spaced over the held-out ones from the first
     n = len(data.held_out)
     spread = data.eval_batch(2, spread=True)
-    assert n > 2 and torch.equal(spread[0], ids[0]) and torch.equal(spread[1], torch.from_numpy(data.held_out[n // 2].astype(np.int64)))
+    middle = torch.from_numpy(data.held_out[n // 2].astype(np.int64))
+    assert n > 2 and torch.equal(spread[0], ids[0]) and torch.equal(spread[1], middle)
     assert torch.equal(data.eval_batch(n + 5, spread=True), data.eval_batch(n + 5))  # all of them either way
     spread_ce = held_out_ce(model, data, 2, 2, contextlib.nullcontext, spread=True).item()
     logits = model(input_ids=spread).logits[:, :-1]
-    assert spread_ce == pytest.approx(torch.nn.functional.cross_entropy(logits.flatten(0, 1), spread[:, 1:].flatten()).item(), rel=1e-6)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), spread[:, 1:].flatten())
+    assert spread_ce == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_txt_folder_txt_file_parquet_and_npy_sources(tokenizer, tmp_path):

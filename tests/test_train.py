@@ -254,7 +254,8 @@ def test_frozen_embeddings_stay_as_they_were_while_the_rest_trains(run_config, p
     torch.testing.assert_close(result.model.transformer.wte.weight, before.transformer.wte.weight, rtol=0, atol=0)
     assert not torch.equal(result.model.transformer.h[0].mlp.c_fc.weight, before.transformer.h[0].mlp.c_fc.weight)
     # the head multiplies by one kept copy of the frozen tied weight (lnfree.removal.frozen_head), still tied
-    assert isinstance(result.model.lm_head, FrozenHead) and result.model.lm_head.weight is result.model.transformer.wte.weight
+    head = result.model.lm_head
+    assert isinstance(head, FrozenHead) and head.weight is result.model.transformer.wte.weight
     assert all(math.isfinite(r["loss"]) for r in records(result.output_dir / "log.jsonl").values())
 
 

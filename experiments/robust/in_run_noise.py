@@ -61,8 +61,9 @@ def main() -> None:
     if len(control) != len(arm):
         parser.error(f"{args.control} has {len(control)} sequences and {args.arm} {len(arm)}")
     result = summarise([a - c for a, c in zip(arm, control)], args.sequences)
+    command = f"experiments/robust/in_run_noise.py --dir {args.dir} --control {args.control} --arm {args.arm}"
     lines = [f"# {args.arm} − {args.control}: the gap read on {args.sequences} of {result['sequences']} validation "
-             f"sequences (`experiments/robust/in_run_noise.py --dir {args.dir} --control {args.control} --arm {args.arm}`)",
+             f"sequences (`{command}`)",
              "", f"- whole validation half: **{result['whole']:+.4f}**",
              f"- its first {args.sequences} sequences (the in-run set): **{result['first']:+.4f}**", "",
              f"| {args.sequences} sequences chosen as | sd of the gap read | smallest | largest |", "|---|---|---|---|"]
