@@ -111,7 +111,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     damping = _damping(config, s.model, s.batches, out, resume, accelerator.is_main_process)
     if train.freeze_embeddings:
         freeze_token_embedding(s.model)
-    if accelerator.distributed_type != DistributedType.FSDP:  # FSDP gathers the weight inside its forward only
+    unsharded = accelerator.distributed_type != DistributedType.FSDP  # FSDP gathers weights inside each forward
+    if unsharded:
         use_frozen_head(s.model, s.arch.unembedding)
     model, optimizer = accelerator.prepare(s.model, make_optimizer(s.model, config))
     bare = accelerator.unwrap_model(model)
@@ -144,7 +145,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with casts_kept(accelerator.distributed_type != DistributedType.FSDP):
+        with casts_kept(unsharded):
             totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
