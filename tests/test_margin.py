@@ -18,6 +18,7 @@ from lnfree.removal.config import TrainConfig, with_overrides
 from lnfree.removal.losses.margin import StabilityMargin, margin_loss, margin_site, perturbed
 from lnfree.removal.losses.massive import NormInputs
 from lnfree.removal.losses.objective import TERMS, Objective
+from lnfree.removal.losses.vocab_loss import HeadInput
 from lnfree.removal.train import run
 
 
@@ -131,6 +132,32 @@ def test_a_fixed_gated_model_pays_a_margin_its_real_norms_do_not_and_the_gradien
     before = {name: state.stats.clone() for name, state in surgery.scale_states(real).items()}
     margin(real)  # neither its forwards nor the backward's recompute feed them
     assert all(torch.equal(state.stats, before[name]) for name, state in surgery.scale_states(real).items())
+
+
+def test_the_margins_forwards_compute_no_logits_and_lose_nothing_by_it(monkeypatch):
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    setting = StabilityMargin(factor=4.0, ratio=2.0)
+    arch = architecture(tiny_family("llama"))
+
+    def margin(model):
+        """The margin's terms and gradient on `model`, and the width of each logits tensor its head made."""
+        widths = []
+        hook = model.get_submodule(arch.unembedding).register_forward_hook(
+            lambda module, args, out: widths.append(out.shape[-1]))
+        objective = Objective(model.train(), TrainConfig(stability_margin=setting), arch, None, 0,
+                              contextlib.nullcontext)
+        with objective.margin(model, ids, (0, 3), setting) as (loss, terms):
+            loss.backward()
+        objective.remove()
+        hook.remove()
+        return terms, widths, model.get_submodule(f"{arch.layers}.1.mlp.down_proj").weight.grad
+
+    terms, widths, grad = margin(fixed(planted(tiny_family("llama")), ids))
+    assert widths == [0, 0]  # the clean and the perturbed forward: the head skipped in both
+    monkeypatch.setattr(HeadInput, "skips", staticmethod(lambda wrapper: False))  # as under FSDP
+    with_logits, widths, grad_with_logits = margin(fixed(planted(tiny_family("llama")), ids))
+    assert widths == [64, 64]  # the tiny vocabulary
+    assert torch.equal(terms, with_logits) and torch.equal(grad, grad_with_logits)
 
 
 def test_a_run_with_the_margin_logs_it_and_resumes_exactly(tmp_path):

@@ -214,9 +214,13 @@ def test_one_token_rows_are_hinged_at_their_only_token():
     cov = objective.train.coverage.model_copy(update={"first_token_rows": 4})
     rows = torch.tensor([[1], [2], [3], [4]])
     hinge = TERMS.index("first_tail")
+    widths = []
+    student.get_submodule(architecture(student).unembedding).register_forward_hook(
+        lambda module, args, out: widths.append(out.shape[-1]))
     with torch.no_grad():
         clean = objective.first_tokens(student, rows, cov)[1][hinge]
         student.get_submodule(architecture(student).token_embedding).weight[3] *= 50
         loss, terms = objective.first_tokens(student, rows, cov)
+    assert widths == [0, 0]  # nothing reads the rows' logits: the head computes none
     assert terms[hinge] > clean + 1 and loss == cov.weight * terms[hinge]
     assert terms[TERMS.index("cov_tail")] == 0 and terms[TERMS.index("cov_kl")] == 0

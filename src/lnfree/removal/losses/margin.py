@@ -14,7 +14,7 @@ residual stream (not a sublayer-output norm such as Gemma's post-norms, whose in
 a fixed norm squares by construction) where its scale exceeds `ratio` × `factor` × its scale in the
 unperturbed forward. A model with real norms passes the excess on at most about linearly (each block
 adds what a normalised input makes); the hinge trains the fixed stack to stay within that margin. Both
-extra forwards leave the norms' σ statistics alone, and their logits take no part in the loss.
+extra forwards leave the norms' σ statistics alone and compute no logits (the head skipped, but under FSDP).
 
 With real norms the margin reads about 0, so it can act on a block only once its norm is fixed, and in
 SmolLM2-135M a token runs away the moment one is (ln_2 of block 1 fixed, no training: 87×;

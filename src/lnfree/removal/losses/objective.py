@@ -123,6 +123,7 @@ class Objective:
         self.lnf_input = LnfInput(model.get_submodule(arch.final_norm))
         chunked = train.chunked_vocab_loss is not None
         self.head = HeadInput(model, arch) if chunked else None  # the student's final hidden states
+        self.headless = HeadInput(model, arch, for_loss=False)  # for forwards whose logits nothing reads
         wanted = (train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
                   or train.coverage is not None or train.stability_margin is not None)
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
@@ -260,7 +261,7 @@ class Objective:
         micro-batch: the coverage hinge at their only token, position 0, against that text's typical scales;
         no KL, the norms' σ statistics paused."""
         with surgery.statistics_paused(self.norm_inputs.model), self.norm_inputs.capturing():
-            self._forward(model, input_ids, labels=False)
+            self._forward(model, input_ids, labels=False, logits=False)
         every = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
         hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, every)
         terms = [torch.zeros_like(hinge)] * len(TERMS)
@@ -283,11 +284,11 @@ class Objective:
             change = perturbed(self.blocks[site[0]], position, factor)
         with surgery.statistics_paused(self.norm_inputs.model):
             with torch.no_grad(), self.norm_inputs.capturing():
-                self._forward(model, input_ids, labels=False)
+                self._forward(model, input_ids, labels=False, logits=False)
             clean = self._residual_inputs()
             with change:
                 with self.norm_inputs.capturing():
-                    self._forward(model, input_ids, labels=False)
+                    self._forward(model, input_ids, labels=False, logits=False)
                 hinge = margin_loss(clean, self._residual_inputs(), position, self.norm_kind, factor, setting.ratio)
                 loss = setting.weight * hinge
                 terms = [torch.zeros_like(hinge)] * len(TERMS)
@@ -304,10 +305,14 @@ class Objective:
         """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `logits_loss`)."""
         return self.teacher is not None and kl_weight > 0
 
-    def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool):
+    def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool, logits: bool = True):
         """The student's forward on `ids` under autocast (no KV cache to build): transformers' CE when
-        `labels`; no logits where the vocabulary loss is chunked (`self.head` keeps the hidden states)."""
-        with self.autocast(), self.head.skipping(model) if self.head is not None else contextlib.nullcontext():
+        `labels`; no logits where the vocabulary loss is chunked (`self.head` keeps the hidden states) or
+        `logits` is False (nothing reads them: the head's product is skipped, except under FSDP)."""
+        skip = self.head
+        if skip is None and not logits and self.headless.skips(model):
+            skip = self.headless
+        with self.autocast(), skip.skipping(model) if skip is not None else contextlib.nullcontext():
             if labels and self.head is None:
                 return model(input_ids=ids, labels=ids, use_cache=False)
             return model(input_ids=ids, use_cache=False)

@@ -17,8 +17,9 @@ under `train.freeze_embeddings`) chunks of a micro-batch's tokens or more are ch
 `logits_loss` does the same from whole logits (the model's, where the loss is not chunked): the
 gradient with respect to them is taken in the forward and held in their dtype.
 
-`HeadInput` makes a model skip its own logits. The head's weight is read outside the forward, so
-this does not run under FSDP (whose weights are whole only inside it).
+`HeadInput` makes a model skip its own logits: for the chunked loss, which reads the head's weight outside the
+forward and so does not run under FSDP (whose weights are whole only inside it), and for the forwards whose
+logits nothing reads (the stability margin's, the one-token rows'), which under FSDP compute them.
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ from lnfree.removal.losses.distill import IGNORE, KL_CHUNK_TOKENS
 class HeadInput:
     """The input of `model`'s unembedding (`arch.unembedding`): the final hidden states, the final
     norm's output, kept from the latest forward run while `skipping()`, during which the head
-    computes no logits (it returns an empty tensor)."""
+    computes no logits (it returns an empty tensor). `for_loss`: the chunked loss will read that input in
+    place of the logits, which it cannot where the head adds a bias or caps its logits."""
 
-    def __init__(self, model: nn.Module, arch):
+    def __init__(self, model: nn.Module, arch, for_loss: bool = True):
         self.head = model.get_submodule(arch.unembedding)
-        if getattr(self.head, "bias", None) is not None:
+        if for_loss and getattr(self.head, "bias", None) is not None:
             raise UsageError("train.chunked_vocab_loss: this model's head has a bias, which the chunked loss omits")
-        if getattr(model.config, "final_logit_softcapping", None) is not None:
+        if for_loss and getattr(model.config, "final_logit_softcapping", None) is not None:
             raise UsageError("train.chunked_vocab_loss: this model caps its logits (final_logit_softcapping), which "
                              "the chunked loss omits")
+        self.for_loss = for_loss
         self.value: torch.Tensor | None = None
 
     @property
@@ -56,14 +59,20 @@ class HeadInput:
         return self.head.weight
 
     def _keep(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.value = hidden
+        if self.for_loss:  # else nothing reads it: holding it would hold its forward's graph
+            self.value = hidden
         return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    @staticmethod
+    def skips(wrapper: nn.Module | None) -> bool:
+        """Whether `skipping(wrapper)` runs: not where `wrapper` shards the weights."""
+        return not isinstance(wrapper, (FullyShardedDataParallel, FSDPModule))
 
     @contextlib.contextmanager
     def skipping(self, wrapper: nn.Module | None = None):
         """Within: the head keeps its input and computes no logits; `wrapper`: what the forward calls (refused
         when it shards the weights)."""
-        if isinstance(wrapper, (FullyShardedDataParallel, FSDPModule)):
+        if not self.skips(wrapper):
             raise UsageError("train.chunked_vocab_loss does not run under FSDP (the head's weight is sharded outside "
                              "the forward); turn it off")
         self.head.forward = self._keep
