@@ -22,8 +22,10 @@ def test_cpu_throughput_runs_its_variants_against_fp32_round_by_round(tmp_path):
     out = tmp_path / "cpu_throughput"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_throughput.py"), "--config", str(config),
                     "--steps", "3", "--warmup", "1", "--rounds", "1", "--chunk", "512", "--threads", "1",
-                    "--variants", "bf16 + chunked", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+                    "--variants", "bf16 + chunked", "--set", "train.tokens_per_step=2048", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True)
     results = json.loads((tmp_path / "cpu_throughput.json").read_text())
+    assert results["tokens_per_step"] == 2048  # --set reached the config every variant ran (the preset's: 4096)
     assert list(results["runs"]) == ["fp32", "bf16 + chunked"]  # the baseline always runs
     fp32, chunked = (runs[0] for runs in results["runs"].values())
     assert (fp32["precision"], chunked["precision"]) == ("no", "bf16")
