@@ -1,4 +1,4 @@
-"""Run under torchrun: one lnfree run, then gather every rank's σ into a JSON file (rank 0).
+"""Run under torchrun: one lnfree run, then gather every rank's σ and weights into a JSON file (rank 0).
 
     torchrun --nproc_per_node=2 tests/dist_worker.py CONFIG.json RESULT.json [--natural-exit]
 
@@ -24,13 +24,17 @@ gathered = [torch.zeros_like(sigmas) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, sigmas)
 flags = [torch.zeros(len(surgery.scale_states(result.model))) for _ in range(dist.get_world_size())]
 dist.all_gather(flags, torch.tensor([float(s.is_fixed) for s in surgery.scale_states(result.model).values()]))
+weights = torch.stack([p.detach().double().sum() for p in result.model.parameters()])  # a fingerprint per tensor
+gathered_weights = [torch.zeros_like(weights) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered_weights, weights)
 events = [None] * dist.get_world_size()
 dist.all_gather_object(events, result.events)
 if dist.get_rank() == 0:
     with open(sys.argv[2], "w") as f:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
                    "sigmas": [g.tolist() for g in gathered], "fixed": [f.tolist() for f in flags],
-                   "events": events, "held_out_ce_end": result.held_out_ce_end}, f)
+                   "events": events, "held_out_ce_end": result.held_out_ce_end,
+                   "weights": [w.tolist() for w in gathered_weights]}, f)
 if "--natural-exit" not in sys.argv[3:]:
     close_distributed()
     exit_without_teardown(0)  # as `lnfree remove` ends a distributed run

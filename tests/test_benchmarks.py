@@ -107,3 +107,21 @@ def test_frozen_head_benchmark_times_both_ways_and_checks_they_agree(tmp_path):
         assert r["logits_equal"] and r["grad_max_relative_difference"] < 0.02
         assert len(r["ratio_per_round"]) == 2 and all(x > 0 for x in r["ratio_per_round"])
     assert "kept transposed copy" in out.with_suffix(".txt").read_text()
+
+
+def test_held_gradients_benchmark_times_both_ways_and_checks_they_agree(tmp_path):
+    earlier = "e35ef27"  # the last commit with the copying `gradients` / `cap_share`
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{earlier}:src/lnfree/removal/losses/coverage.py"],
+                            capture_output=True, text=True)
+    if source.returncode:
+        pytest.skip(f"this checkout has no history back to {earlier}")
+    module = tmp_path / "before" / "src/lnfree/removal/losses/coverage.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(source.stdout)
+    out = tmp_path / "held"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "held_gradients.py"), "--before", str(tmp_path / "before"),
+                    "--model", "tiny", "--rounds", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["max_relative_difference"] < 1e-5 and len(record["ratios"]) == 2
+    assert all(t > 0 for way in ("before", "now") for t in record["seconds"][way])
+    assert "| now |" in out.with_suffix(".txt").read_text()

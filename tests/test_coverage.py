@@ -11,7 +11,7 @@ import torch
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import with_overrides
 from lnfree.removal.losses.coverage import (
-    COPY_SPAN_MIN, REPLAY_DENSITY, Coverage, cap_share, coverage_hinge, coverage_ids, first_token_ids, gradients,
+    COPY_SPAN_MIN, REPLAY_DENSITY, Coverage, HeldGradients, coverage_hinge, coverage_ids, first_token_ids,
     typical_log_scales,
 )
 from lnfree.removal.train import RunError, run
@@ -59,21 +59,30 @@ def test_the_hinge_reads_position_0_of_the_rows_without_bos_where_asked():
     assert torch.allclose(both, alone / 2)  # the sum is per sequence: two rows, one of them hinged
 
 
-def test_the_rows_gradient_is_capped_at_its_share_of_the_texts():
-    a, b, frozen = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1)
-    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])  # the text's: norm 5
-    text = gradients([a, b])
-    a.grad += torch.tensor([0.0, 30.0, 0.0])  # the rows add a gradient of norm 50
-    b.grad += torch.tensor([40.0, 0.0])
-    ratio = cap_share([a, b], text, 0.5)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_rows_gradient_is_capped_at_its_share_of_the_texts(in_place):
+    a, b, c, frozen = (torch.zeros(n, requires_grad=True) for n in (3, 2, 1, 1))
+    frozen.requires_grad_(False)
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])  # the text's: norm 5; c has none
+    text_a, text_b = a.grad.clone(), b.grad.clone()
+    held = HeldGradients([a, b, c], in_place)
+    assert (a.grad is not None) == in_place  # taken out, so that the rows' backward writes its own
+    (a * torch.tensor([0.0, 30.0, 0.0])).sum().backward()  # the rows add a gradient of norm 50 to a and b
+    (b * torch.tensor([40.0, 0.0])).sum().backward()
+    ratio = held.add_back(0.5)
     assert float(ratio) == 10.0  # 50 / 5, before the cap
-    gained = torch.cat([a.grad - text[0], b.grad - text[1]])
+    gained = torch.cat([a.grad - text_a, b.grad - text_b])
     assert torch.allclose(torch.linalg.vector_norm(gained), torch.tensor(2.5))  # 0.5 × 5, its direction kept
     assert torch.allclose(gained / gained.norm(), torch.tensor([0.0, 0.6, 0.0, 0.8, 0.0]))
-    assert frozen.grad is None
-    small = gradients([a, b])
-    a.grad += 0.01
-    assert float(cap_share([a, b], small, None)) > 0 and torch.allclose(a.grad, small[0] + 0.01)  # no cap
+    assert c.grad is None and frozen.grad is None
+    before = a.grad.clone()
+    held = HeldGradients([a, b, c], in_place)
+    (c * 2.0).sum().backward()  # a parameter without a text gradient keeps the rows' own
+    assert float(held.add_back(None)) > 0 and torch.equal(a.grad, before) and torch.equal(c.grad, torch.tensor([2.0]))
+    held = HeldGradients([a, b, c], in_place)
+    (a * 0.01).sum().backward()
+    held.add_back(None)  # no cap
+    assert torch.allclose(a.grad, before + 0.01) and torch.equal(c.grad, torch.tensor([2.0]))
 
 
 def test_paused_statistics_leave_sigma_to_the_text(run_config):

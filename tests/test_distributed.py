@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,6 +42,20 @@ def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every
     assert rank0 == rank1 and len(rank0) == 7
     assert torch.equal(*(torch.tensor(s) for s in result["sigmas"]))
     assert all(all(flag == 1.0 for flag in rank) for rank in result["fixed"])
+
+
+@pytest.mark.parametrize("settings", [
+    {"train.coverage": {"rows": 1, "ratio": 1.2, "start": 2, "max_grad_share": 0.3}},
+    {"train.coverage": {"rows": 1, "ratio": 1.2, "start": 2, "max_grad_share": 0.3, "first_token_rows": 4}},
+    {"train.stability_margin": {"factor": 4.0, "ratio": 1.5, "rows": 1, "start": 4}},
+], ids=["coverage", "one-token rows", "margin"])
+def test_two_process_capped_rows_take_the_same_step_on_every_rank(run_config, tmp_path, settings):
+    # Each backs its own rows after the text's synchronised gradients, held apart meanwhile (HeldGradients);
+    # the one-token rows and the margin read no logits, so DDP cannot see what they reach: every rank must still
+    # end with the same weights, bit for bit.
+    config = with_overrides(run_config(max_steps=14, micro_batch_size=4), {**settings, "train.distill_alpha": 0.5})
+    rank0, rank1 = run_two_processes(config, tmp_path)["weights"]
+    assert rank0 == rank1 and all(math.isfinite(w) for w in rank0)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")

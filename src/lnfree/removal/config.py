@@ -73,6 +73,11 @@ class TrainConfig(_Strict):
     )
     max_micro_batch_size: int = Field(8, ge=1, description="upper bound of the automatic micro-batch (memory)")
     weight_decay: float = 0.01
+    vector_lr_scale: float = Field(
+        1.0, gt=0, description="the learning rate of the 1-D parameters (norm weights, biases) over the matrices'. "
+        "AdamW moves a weight by about the learning rate a step whatever its size: about 1e-2 of a typical matrix "
+        "entry at 1e-4, but 1e-4 of a Gemma 3 norm weight (|w| 2-95), which then barely moves in a whole removal"
+    )
     freeze_embeddings: bool = Field(
         False, description="train everything but the token embedding (and a head tied to it): a large-vocabulary "
         "model's embedding is most of its parameters and of the optimiser's work. On in the modern models' presets "

@@ -37,6 +37,17 @@ def make_accelerator(config: RunConfig) -> Accelerator:
     return accelerator
 
 
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Average `params`' gradients over the processes in place (a parameter without one counts as zeros), for a
+    backward that ran outside DDP's synchronisation (`no_sync`)."""
+    world = torch.distributed.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        torch.distributed.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
 def close_distributed() -> bool:
     """Tear down the process group torchrun / accelerate started, after the last collective; whether
     there was one to tear down.

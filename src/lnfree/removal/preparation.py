@@ -123,3 +123,10 @@ def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer
         return MuonWithAdamW(muon, groups, lr=train.learning_rate, weight_decay=train.weight_decay,
                              betas=train.betas, fused=fused)
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=train.betas, fused=fused)
+
+
+def lr_scales(optimizer: torch.optim.Optimizer, config: RunConfig) -> list[float]:
+    """Each of the optimiser's parameter groups' factor on the run's learning rate: `train.vector_lr_scale` for a
+    group of 1-D parameters only, else 1 (read from the parameters, so a resumed optimiser's groups agree)."""
+    return [config.train.vector_lr_scale if group["params"] and all(p.dim() < 2 for p in group["params"]) else 1.0
+            for group in optimizer.param_groups]

@@ -40,10 +40,10 @@ from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.frozen_head import use_frozen_head
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import Coverage, cap_share, gradients
+from lnfree.removal.losses.coverage import Coverage, HeldGradients
 from lnfree.removal.losses.margin import margin_site
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
-from lnfree.removal.launch import make_accelerator, quiet_libraries
+from lnfree.removal.launch import average_gradients, make_accelerator, quiet_libraries
 from lnfree.removal.layout import LOG, START, TOKENIZER
 from lnfree.removal.losses.massive import Damping, find_massive_neurons, tail_at
 from lnfree.models.base import load_base
@@ -54,7 +54,7 @@ from lnfree.removal.losses.objective import STEP_ROW, TAILS, TERMS, Objective
 from lnfree.removal.plan import describe_run
 from lnfree.removal.precision import casts_kept, cpu_description
 from lnfree.removal.preparation import (  # noqa: F401 (re-exported)
-    autocast_factory, compile_blocks, freeze_token_embedding, make_optimizer, prepare_model, run_teacher)
+    autocast_factory, compile_blocks, freeze_token_embedding, lr_scales, make_optimizer, prepare_model, run_teacher)
 from lnfree.removal.records import (  # noqa: F401 (re-exported)
     HeldOut, RunClock, RunLog, TrainingDiverged, eval_record, event_record, held_out_ce, started_precision,
     stop_if_diverged,
@@ -135,6 +135,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
                disable=not (progress and accelerator.is_main_process), desc=config.removal.mode)
     model.train()
     clock = RunClock(seconds_before, cpu_before)
+    scales = lr_scales(optimizer, config)
     for step in bar:
         removal.before_step(bare, step, s.log)
         mine_if_due(s.config, s.accelerator, s.data, s.mined, s.log, bare, step, removal.ceiling_now,
@@ -143,8 +144,8 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
             s.teacher = s.teach(train.teacher)
             objective.set_teacher(s.teacher, s.arch)
         lr = learning_rate(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for group, scale in zip(optimizer.param_groups, scales):
+            group["lr"] = lr * scale
         with casts_kept(unsharded):
             totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
@@ -408,7 +409,7 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
     totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share")
     if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
         first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True, texts[m]).to(device), cov)) for m in micros)
-        totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share")
+        totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share", reads_logits=False)
     return totals
 
 
@@ -421,7 +422,7 @@ def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: in
     rank, layers, seed = s.accelerator.process_index, s.arch.n_layers, s.config.train.seed
     passes = (objective.margin(model, ids, margin_site(seed, step, micro, rank, layers=layers, context=ids.shape[1]),
                                margin, preview) for micro, ids in enumerate(texts))
-    return _capped_backward(s, model, passes, margin.max_grad_share, "margin_share")
+    return _capped_backward(s, model, passes, margin.max_grad_share, "margin_share", reads_logits=False)
 
 
 @contextlib.contextmanager
@@ -430,21 +431,28 @@ def _evaluated(compute: Callable):
     yield compute()
 
 
-def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, share_term: str) -> torch.Tensor:
+def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, share_term: str,
+                     reads_logits: bool = True) -> torch.Tensor:
     """Forwards and backwards after the text's gradients are complete (and synchronised), one per micro-step:
     each of `passes` a context giving (loss, terms), entered inside the micro-step's gradient-sync context and
-    left after its backward; their gradient capped at `share` of what came before (`cap_share`). Return their
-    loss terms, with the uncapped share in `share_term`."""
+    left after its backward; their gradient capped at `share` of what came before (`HeldGradients`). Return their
+    loss terms, with the uncapped share in `share_term`. Passes whose loss is not read off the logits (the margin's,
+    the one-token rows': norm inputs, by hooks) run outside DDP's sync, which traces a backward from the forward's
+    output and would stop at the next step, and their gradients are averaged after them."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    manual = not reads_logits and accelerator.num_processes > 1 and not sharded
     params = [p for p in model.parameters() if p.requires_grad]
-    before = gradients(params)
+    text_grads = HeldGradients(params, in_place=sharded)
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     for micro, losses in enumerate(passes):
-        with (contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model),
-              losses as (loss, terms)):
+        synced = micro == accumulation - 1 and not manual
+        with contextlib.nullcontext() if synced else accelerator.no_sync(model), losses as (loss, terms):
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
-    totals[TERMS.index(share_term)] = cap_share(params, before, share)
+    if manual:
+        average_gradients(params)
+    totals[TERMS.index(share_term)] = text_grads.add_back(share)
     return totals
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch.nn.utils import get_total_norm
 
 from lnfree.fixedscale.functional import second_moment
 from lnfree.removal.mining import Mining
@@ -178,23 +179,39 @@ def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind
     return total / inputs[0].shape[0]
 
 
-def gradients(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """A detached copy of each parameter's gradient (None where it has none)."""
-    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+class HeldGradients:
+    """The text's gradients, held apart while later rows (coverage, the stability margin) backward their own
+    into the parameters; `add_back` then caps those and adds the text's back.
 
+    By default each parameter's gradient is taken out of it (its `grad` left None), so that the next backward
+    writes a gradient of its own and nothing is copied. `in_place` (FSDP, whose parameters' gradients are views
+    of its flat gradient, accumulated there) keeps the gradients where they are and holds copies instead."""
 
-def cap_share(params: list[torch.Tensor], before: list[torch.Tensor | None], share: float | None) -> torch.Tensor:
-    """Scale what the gradients gained since `before` (the text's) down to at most `share` × the norm of
-    `before`, in place (no cap with `share` None); return the gained norm over the text's, uncapped (a
-    device scalar, no host sync)."""
-    gained = [p.grad - b if b is not None else p.grad for p, b in zip(params, before) if p.grad is not None]
-    text = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in before if b is not None]))
-    extra = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gained]))
-    ratio = extra / text.clamp_min(1e-30)
-    if share is not None:
-        factor = (share / ratio.clamp_min(1e-30)).clamp(max=1.0)
-        for p, b in zip(params, before):
-            if p.grad is not None:
-                base = b if b is not None else torch.zeros_like(p.grad)
-                p.grad.copy_(base + (p.grad - base) * factor)
-    return ratio
+    def __init__(self, params: list[torch.Tensor], in_place: bool = False):
+        self.params, self.in_place = params, in_place
+        self.text = [p.grad if p.grad is None or not in_place else p.grad.detach().clone() for p in params]
+        if not in_place:
+            for p in params:
+                p.grad = None
+
+    def add_back(self, share: float | None) -> torch.Tensor:
+        """Scale what the gradients gained since they were held down to at most `share` × the text's norm
+        (no cap with `share` None), add the text's back; return the gained norm over the text's, uncapped (a
+        device scalar, no host sync)."""
+        grads = [p.grad for p in self.params]
+        gained = grads if not self.in_place else [
+            g - t if g is not None and t is not None else g for g, t in zip(grads, self.text)]
+        text = get_total_norm([t for t in self.text if t is not None])
+        ratio = get_total_norm([g for g in gained if g is not None]) / text.clamp_min(1e-30)
+        factor = None if share is None else (share / ratio.clamp_min(1e-30)).clamp(max=1.0)
+        for p, t, g, now in zip(self.params, self.text, gained, grads):
+            if g is not None and factor is not None:
+                g = g.mul_(factor) if t is None else t.addcmul_(g, factor)
+            elif g is not None and t is not None:
+                g = t.add_(g)
+            total = t if g is None else g
+            if self.in_place and now is not None:
+                now.copy_(total)
+            else:
+                p.grad = total
+        return ratio

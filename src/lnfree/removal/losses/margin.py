@@ -54,7 +54,7 @@ class StabilityMargin(BaseModel):
     start: int = Field(0, ge=0, description="the first step it is on")
     max_grad_share: float | None = Field(
         0.25, gt=0, description="cap its gradient at this share of the text's (by norm, per step), as the coverage "
-        "rows' (lnfree.removal.losses.coverage.cap_share): a provoked runaway's gradient is 10^4-10^6, which gradient "
+        "rows' (lnfree.removal.losses.coverage.HeldGradients): a provoked runaway's gradient is 10^4-10^6, which gradient "
         "clipping would let dominate the step and train.skip_grad_norm would drop; None: no cap")
     preview: int = Field(0, ge=0, description="0: the perturbation scales one token's residual by `factor`. n > 0: "
                          "it is instead the next n norm switches of the schedule (those blending included) made at "
