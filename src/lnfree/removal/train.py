@@ -111,8 +111,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
     damping = _damping(config, s.model, s.batches, out, resume, accelerator.is_main_process)
     if train.freeze_embeddings:
         freeze_token_embedding(s.model)
-    unsharded = accelerator.distributed_type != DistributedType.FSDP  # FSDP gathers weights inside each forward
-    if unsharded:
+    if not s.sharded:  # FSDP gathers weights inside each forward
         use_frozen_head(s.model, s.arch.unembedding)
     model, optimizer = accelerator.prepare(s.model, make_optimizer(s.model, config))
     bare = accelerator.unwrap_model(model)
@@ -146,7 +145,7 @@ def _run(config: RunConfig, *, resume: bool, overwrite: bool, progress: bool) ->
         lr = learning_rate(step, config)
         for group, scale in zip(optimizer.param_groups, scales):
             group["lr"] = lr * scale
-        with casts_kept(unsharded):
+        with casts_kept(not s.sharded):
             totals = _forward_backward(s, model, objective, step, lambda n: timeline.upcoming(step, n))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
         if not _spike(grad_norm, train.skip_grad_norm, step, s.log):
@@ -206,6 +205,11 @@ class _Setup:
     def out(self) -> Path:
         """The run folder."""
         return Path(self.config.output_dir)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the run shards its weights (FSDP)."""
+        return self.accelerator.distributed_type == DistributedType.FSDP
 
 
 def _set_up(config: RunConfig, resume: bool, overwrite: bool) -> _Setup:
@@ -436,14 +440,11 @@ def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, s
     """Forwards and backwards after the text's gradients are complete (and synchronised), one per micro-step:
     each of `passes` a context giving (loss, terms), entered inside the micro-step's gradient-sync context and
     left after its backward; their gradient capped at `share` of what came before (`HeldGradients`). Return their
-    loss terms, with the uncapped share in `share_term`. Passes whose loss is not read off the logits (the margin's,
-    the one-token rows': norm inputs, by hooks) run outside DDP's sync, which traces a backward from the forward's
-    output and would stop at the next step, and their gradients are averaged after them."""
+    loss terms, with the uncapped share in `share_term`. Passes whose loss is not read off the logits (norm inputs,
+    by hooks) run outside DDP's sync, which traces a backward from the forward's output, then are averaged."""
     accelerator, accumulation = s.accelerator, s.batches.accumulation
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    manual = not reads_logits and accelerator.num_processes > 1 and not sharded
-    params = [p for p in model.parameters() if p.requires_grad]
-    text_grads = HeldGradients(params, in_place=sharded)
+    manual = not reads_logits and accelerator.num_processes > 1 and not s.sharded
+    text_grads = HeldGradients([p for p in model.parameters() if p.requires_grad], in_place=s.sharded)
     totals = torch.zeros(len(TERMS), device=accelerator.device)
     for micro, losses in enumerate(passes):
         synced = micro == accumulation - 1 and not manual
@@ -451,7 +452,7 @@ def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, s
             accelerator.backward(loss / accumulation)
         totals += terms / accumulation
     if manual:
-        average_gradients(params)
+        average_gradients(text_grads.params)
     totals[TERMS.index(share_term)] = text_grads.add_back(share)
     return totals
 
