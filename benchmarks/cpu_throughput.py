@@ -13,6 +13,8 @@ these variants, each setting `train.mixed_precision`, `train.teacher_dtype`,
 - bf16: bf16 autocast over the fp32 weights and a bf16 teacher (attention in fp32 at short contexts,
   `lnfree.removal.precision.attention_in_fp32`);
 - bf16 (bf16 attention): attention in bf16 at every context (`train.cpu_fp32_attention = false`);
+- bf16 (eager vocabulary loss): the CE and KL over the vocabulary by PyTorch's eager operations instead of the
+  kernels `train.compile_vocab_loss` compiles ("auto" compiles them on a CPU for Gemma 3's vocabulary);
 - bf16 + chunked: and CE + KL by `lnfree.removal.losses.vocab_loss` (`--chunk` tokens per chunk);
 - bf16 + compile: bf16 with every block compiled (`train.compile`; a norm's switch recompiles its block);
 - … (embedding trained): the same with `train.freeze_embeddings = false` (a tied head then trains too);
@@ -65,6 +67,7 @@ VARIANTS = {
     "bf16": {**BF16, "train.freeze_embeddings": True},
     "bf16 (loop AdamW)": {**BF16, **LOOP, "train.freeze_embeddings": True},
     "bf16 (bf16 attention)": {**BF16, "train.freeze_embeddings": True, "train.cpu_fp32_attention": False},
+    "bf16 (eager vocabulary loss)": {**BF16, "train.freeze_embeddings": True, "train.compile_vocab_loss": False},
     "bf16 + chunked": {**CHUNKED, "train.freeze_embeddings": True},
     "bf16 + compile": {**BF16, "train.freeze_embeddings": True, "train.compile": True},
     "fp32 (embedding trained)": {**FP32, "train.freeze_embeddings": False},

@@ -125,3 +125,13 @@ def test_held_gradients_benchmark_times_both_ways_and_checks_they_agree(tmp_path
     assert record["max_relative_difference"] < 1e-5 and len(record["ratios"]) == 2
     assert all(t > 0 for way in ("before", "now") for t in record["seconds"][way])
     assert "| now |" in out.with_suffix(".txt").read_text()
+
+
+def test_vocab_loss_benchmark_times_eager_and_compiled_and_checks_they_agree(tmp_path):
+    out = tmp_path / "vocab"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocab_loss.py"), "--tokens", "32", "--vocab", "3000",
+                    "--rounds", "1", "--calls", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert max(record["relative_difference"].values()) < 1e-4 and len(record["ratios"]) == 1
+    assert all(run["median_seconds"] > 0 for way in ("eager", "compiled") for run in record["runs"][way])
+    assert "| compiled |" in out.with_suffix(".txt").read_text()

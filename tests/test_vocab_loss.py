@@ -20,7 +20,8 @@ from lnfree.removal.config import TrainConfig, with_overrides
 from lnfree.removal.losses.distill import kl_to_teacher
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
 from lnfree.removal.train import run
-from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
+from lnfree.removal.losses import vocab_loss as vocab_module
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, compiles_vocab_terms, logits_loss, vocab_loss
 
 
 def problem(dtype=torch.float32, seed=0, tokens=(3, 7), hidden=16, vocab=50):
@@ -95,6 +96,65 @@ def test_on_bf16_logits_the_gradient_is_bf16_and_a_teacher_alone_gives_the_kl():
     torch.testing.assert_close(got, expected_grad)  # both rounded once to bf16 from fp32
     alone = logits_loss(logits, None, target, ce_weight=0.0, kl_weight=1.0)
     assert alone[1] == 0 and alone[2] == pytest.approx(kl_to_teacher(logits, target).item(), rel=1e-5)
+
+
+@pytest.fixture
+def fresh_compile(monkeypatch):
+    """The compiled chunk terms made anew for the test (none compiled yet, no earlier failure, no graphs cached)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(vocab_module._Compiled, "terms", None)
+    monkeypatch.setattr(vocab_module._Compiled, "failed", False)
+    return vocab_module._Compiled
+
+
+@pytest.mark.parametrize("ce_weight,kl_weight,temperature,dtype", [(0.5, 0.5, 1.0, torch.bfloat16),
+                                                                    (0.3, 0.7, 2.0, torch.float32),
+                                                                    (0.0, 1.0, 1.0, torch.bfloat16)])
+def test_the_compiled_terms_give_the_eager_values_and_gradients(fresh_compile, ce_weight, kl_weight, temperature,
+                                                                dtype):
+    h, w, labels, teacher = problem(seed=4, tokens=(4, 16), vocab=300)
+    logits = F.linear(h, w).to(dtype).detach().requires_grad_()
+    target = F.linear(*teacher).to(dtype)
+    results = []
+    for compiled in (False, True):
+        got = logits_loss(logits, labels if ce_weight else None, target.clone(), ce_weight=ce_weight,
+                          kl_weight=kl_weight, temperature=temperature, chunk=32, compiled=compiled)
+        results.append((got, torch.autograd.grad(got[0] * 0.25, logits)[0]))
+    assert fresh_compile.terms is not None and not fresh_compile.failed  # it compiled, and ran compiled
+    (eager, eager_grad), (fused, fused_grad) = results
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fused_grad.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-6}  # fp32 sums rounded once to bf16
+    torch.testing.assert_close(fused_grad, eager_grad, **tolerance)
+    assert fused_grad.abs().sum() > 0
+
+
+def test_the_compiled_terms_from_the_hidden_states_and_a_failed_compile_falls_back(fresh_compile, monkeypatch):
+    h, w, labels, teacher = problem(seed=5, tokens=(2, 24), vocab=200)
+    expected = vocab_loss(h, w, labels, teacher, ce_weight=0.5, kl_weight=0.5, chunk=16)
+    expected_grads = torch.autograd.grad(expected[0], (h, w))
+    got = vocab_loss(h, w, labels, teacher, ce_weight=0.5, kl_weight=0.5, chunk=16, compiled=True)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got[0], (h, w)), expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+    def broken(*args, **kwargs):  # what a machine without a working compiler gives at the first call
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fresh_compile, "terms", broken)
+    with pytest.warns(RuntimeWarning, match="eager kernels take over"):
+        after = vocab_loss(h, w, labels, teacher, ce_weight=0.5, kl_weight=0.5, chunk=16, compiled=True)
+    assert fresh_compile.failed
+    torch.testing.assert_close(after[0], expected[0])
+
+
+def test_auto_compiles_the_vocabulary_terms_on_a_cpu_with_a_large_vocabulary():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert compiles_vocab_terms("auto", cpu, 262_144) and not compiles_vocab_terms("auto", cpu, 50_257)
+    assert not compiles_vocab_terms("auto", gpu, 262_144)
+    assert compiles_vocab_terms(True, gpu, 64) and not compiles_vocab_terms(False, cpu, 262_144)
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_still_do():
@@ -172,19 +232,20 @@ def test_the_objective_with_the_chunked_loss_gives_the_plain_terms_and_gradients
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_run_with_the_chunked_loss_logs_the_plain_runs_losses(run_config, tmp_path):
+def test_a_run_with_the_chunked_or_compiled_loss_logs_the_plain_runs_losses(run_config, tmp_path):
     config = with_overrides(run_config(max_steps=4, distill_alpha=0.5, eval_every=0), {"removal.schedule": {
         "stages": [{"kind": kind, "start": 1, "gap": 0} for kind in ("ln_2", "ln_1qk", "ln_1v", "ln_f")]}})
     logs = []
-    for chunk, out in ((None, "plain"), (64, "chunked")):
-        result = run(with_overrides(config, {"train.chunked_vocab_loss": chunk, "output_dir": str(tmp_path / out)}),
-                     progress=False)
+    for chunk, compiled, out in ((None, False, "plain"), (64, False, "chunked"), (None, True, "compiled")):
+        result = run(with_overrides(config, {"train.chunked_vocab_loss": chunk, "train.compile_vocab_loss": compiled,
+                                             "output_dir": str(tmp_path / out)}), progress=False)
         logs.append([json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()
                      if '"loss"' in line])
     assert len(logs[0]) == 4
-    for a, b in zip(*logs):
-        for term in ("loss", "ce", "kl", "aux", "grad_norm"):
-            assert b[term] == pytest.approx(a[term], rel=1e-4, abs=1e-6), (a["step"], term)
+    for other in logs[1:]:
+        for a, b in zip(logs[0], other):
+            for term in ("loss", "ce", "kl", "aux", "grad_norm"):
+                assert b[term] == pytest.approx(a[term], rel=1e-4, abs=1e-6), (a["step"], term)
 
 
 def test_the_coverage_hinge_reads_position_0_only_in_rows_without_bos_where_asked():

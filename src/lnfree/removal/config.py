@@ -172,6 +172,12 @@ class TrainConfig(_Strict):
         "hidden states and the head, its gradient taken in the same pass (lnfree.removal.losses.vocab_loss): no logits tensor of "
         "the whole micro-batch, the same loss; None: the plain loss on the model's logits"
     )
+    compile_vocab_loss: bool | Literal["auto"] = Field(
+        "auto", description="compile the per-chunk CE + KL over the vocabulary and its gradient into fused kernels "
+        "(torch.compile; lnfree.removal.losses.vocab_loss): fewer passes over the logits, the same values to rounding. "
+        "auto: on a CPU with a large vocabulary (vocab_loss.COMPILE_VOCABULARY: Gemma 3, Qwen), where those passes are "
+        "a large part of a step; a compile that fails falls back to the eager kernels with a warning"
+    )
     sigma_momentum: float = Field(0.9, ge=0, lt=1, description="EMA momentum per `sigma_momentum_sequences`")
     sigma_momentum_sequences: int = Field(32, ge=1)
     sigma_init_batches: int = Field(8, ge=1, description="micro-batches in the initial σ measurement")

@@ -60,7 +60,7 @@ from lnfree.removal.losses.gain import GainWeights, neuron_gain_loss, project_ga
 from lnfree.removal.losses.growth import MlpSublayers, local_growth_loss
 from lnfree.removal.losses.neuron_range import NeuronActivations, neuron_range_loss
 from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
-from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, logits_loss, vocab_loss
+from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, compiles_vocab_terms, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "attn",
@@ -124,6 +124,8 @@ class Objective:
         chunked = train.chunked_vocab_loss is not None
         self.head = HeadInput(model, arch) if chunked else None  # the student's final hidden states
         self.headless = HeadInput(model, arch, for_loss=False)  # for forwards whose logits nothing reads
+        embedding = model.get_input_embeddings()  # its size whole under FSDP too
+        self.compiled = compiles_vocab_terms(train.compile_vocab_loss, embedding.weight.device, embedding.num_embeddings)
         wanted = (train.scale_loss_weight > 0 or train.scale_tail is not None or train.position0_tail is not None
                   or train.coverage is not None or train.stability_margin is not None)
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
@@ -332,7 +334,7 @@ class Objective:
             target = self.teacher(input_ids=ids, use_cache=False).logits
         targets = F.pad(ids[:, 1:], (0, 1), value=IGNORE) if labels else None
         return logits_loss(output.logits, targets, target, ce_weight=ce_weight, kl_weight=kl_weight,
-                           temperature=self.train.distill_temperature)
+                           temperature=self.train.distill_temperature, compiled=self.compiled)
 
     def _chunked_terms(self, ids: torch.Tensor, ce_weight: float, kl_weight: float, labels: bool,
                        teaching: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -346,7 +348,7 @@ class Objective:
         with self.autocast():
             return vocab_loss(self.head.value, self.head.weight, targets, teacher, ce_weight=ce_weight,
                               kl_weight=kl_weight, temperature=self.train.distill_temperature,
-                              chunk=self.train.chunked_vocab_loss)
+                              chunk=self.train.chunked_vocab_loss, compiled=self.compiled)
 
     def record(self, means: list[float]) -> dict:
         """A log record of `means` (the `TERMS` and the gradient norm), without the terms never computed."""

@@ -17,6 +17,11 @@ under `train.freeze_embeddings`) chunks of a micro-batch's tokens or more are ch
 `logits_loss` does the same from whole logits (the model's, where the loss is not chunked): the
 gradient with respect to them is taken in the forward and held in their dtype.
 
+Each chunk's terms (two softmaxes, CE, KL and the gradient) take about a dozen passes over a chunk × vocabulary
+array as PyTorch operations; with `train.compile_vocab_loss` they are compiled (torch.compile) into a few fused
+passes, the same values to rounding (Gemma 3 270M's 262,144-token vocabulary on a CPU:
+`benchmarks/results/README.md`).
+
 `HeadInput` makes a model skip its own logits: for the chunked loss, which reads the head's weight outside the
 forward and so does not run under FSDP (whose weights are whole only inside it), and for the forwards whose
 logits nothing reads (the stability margin's, the one-token rows'), which under FSDP compute them.
@@ -25,6 +30,7 @@ logits nothing reads (the stability margin's, the one-token rows'), which under 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +41,18 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from lnfree.errors import UsageError
 from lnfree.removal.frozen_head import kept_transposed, product_backward
 from lnfree.removal.losses.distill import IGNORE, KL_CHUNK_TOKENS
+
+
+#: Vocabularies from this size on compile their chunk terms where `train.compile_vocab_loss` is "auto".
+COMPILE_VOCABULARY = 100_000
+
+
+def compiles_vocab_terms(choice: bool | str, device: torch.device, vocab_size: int) -> bool:
+    """Whether a run's vocabulary terms go through the compiled kernels (`train.compile_vocab_loss`): "auto" on a
+    CPU with a vocabulary of at least `COMPILE_VOCABULARY` tokens."""
+    if choice == "auto":
+        return device.type == "cpu" and vocab_size >= COMPILE_VOCABULARY
+    return bool(choice)
 
 
 class HeadInput:
@@ -92,6 +110,7 @@ class _Spec:
     chunk: int
     dtype: torch.dtype  # of the student's head product
     teacher_dtype: torch.dtype | None
+    compiled: bool = False  # the chunk terms by the compiled kernels (`_terms`)
 
 
 def head_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -102,12 +121,13 @@ def head_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def vocab_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None,
                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, *, ce_weight: float = 1.0,
-               kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = 1024):
+               kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = 1024, compiled: bool = False):
     """(ce_weight·CE + kl_weight·T²·KL, CE, KL) of the logits `hidden` @ `weight`ᵀ, `chunk` tokens at a
     time; CE and KL detached, each zero where it is off. `hidden` (…, d): final hidden states;
     `weight` (V, d): the head's; `labels` (…): each position's next token, `IGNORE` where none (CE off
     without); `teacher`: the frozen teacher's (hidden states, head weight) on the same tokens (KL off
-    without). CE is the mean over labelled positions, KL the mean over all (`kl_to_teacher`)."""
+    without). CE is the mean over labelled positions, KL the mean over all (`kl_to_teacher`); `compiled`:
+    each chunk's terms by the compiled kernels (`compiles_vocab_terms`)."""
     if labels is None and teacher is None:
         zero = hidden.new_zeros((), dtype=torch.float32)
         return zero, zero, zero
@@ -116,7 +136,7 @@ def vocab_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor 
     if teacher is not None:
         teacher = (teacher[0].reshape(-1, teacher[0].shape[-1]).detach(), teacher[1].detach())
     spec = _Spec(ce_weight, kl_weight, temperature, chunk, head_dtype(weight),
-                 None if teacher is None else head_dtype(teacher[1]))
+                 None if teacher is None else head_dtype(teacher[1]), compiled)
     return _FusedVocabLoss.apply(hidden, weight, labels, teacher, spec, torch.is_grad_enabled())
 
 
@@ -150,14 +170,13 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
     for start in range(0, tokens, spec.chunk):
         rows = slice(start, start + spec.chunk)
         h = hidden[rows].detach().to(spec.dtype)
-        logits = (h @ w_t).float()
-        target = None if teacher is None else F.linear(teacher[0][rows].to(spec.teacher_dtype), t_w).float()
-        ce, kl, grad = _chunk_terms(logits, None if labels is None else labels[rows], target, spec.temperature,
-                                    scales if any(needs) else None)
+        logits = h @ w_t
+        target = None if teacher is None else F.linear(teacher[0][rows].to(spec.teacher_dtype), t_w)
+        ce, kl, grad = _terms(logits, None if labels is None else labels[rows], target, spec,
+                              scales if any(needs) else None, spec.dtype)
         ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
         if grad is None:
             continue
-        grad = grad.to(spec.dtype)
         if grad_h is not None:
             grad_h[rows] = product_backward(grad, w_t)
         if needs[1]:
@@ -166,16 +185,18 @@ def _fused(hidden, weight, labels, teacher, spec: _Spec, needs: tuple[bool, bool
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, target: torch.Tensor | None = None, *,
-                ce_weight: float = 1.0, kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS):
+                ce_weight: float = 1.0, kl_weight: float = 0.0, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS,
+                compiled: bool = False):
     """`vocab_loss` of whole logits: `logits` (…, V) the student's, `target` the teacher's on the same tokens
     (KL off without); the value and gradient of `lnfree.removal.losses.distill.ce_and_kl_to_teacher`, the
     gradient taken `chunk` tokens at a time in the forward and held in the logits' dtype until the backward
-    (autograd through a log-softmax and `kl_div` kept fp32 values and took their backwards over them)."""
+    (autograd through a log-softmax and `kl_div` kept fp32 values and took their backwards over them);
+    `compiled`: each chunk's terms by the compiled kernels."""
     if labels is None and target is None:
         zero = logits.new_zeros((), dtype=torch.float32)
         return zero, zero, zero
     vocab = logits.shape[-1]
-    spec = _Spec(ce_weight, kl_weight, temperature, chunk, logits.dtype, None)
+    spec = _Spec(ce_weight, kl_weight, temperature, chunk, logits.dtype, None, compiled)
     return _FusedLogitsLoss.apply(logits.reshape(-1, vocab), None if labels is None else labels.reshape(-1),
                                   None if target is None else target.detach().reshape(-1, vocab), spec,
                                   torch.is_grad_enabled() and logits.requires_grad)
@@ -193,9 +214,9 @@ class _FusedLogitsLoss(torch.autograd.Function):
         with torch.autocast(logits.device.type, enabled=False):
             for start in range(0, tokens, spec.chunk):
                 rows = slice(start, start + spec.chunk)
-                ce, kl, grad = _chunk_terms(logits[rows].float(), None if labels is None else labels[rows],
-                                            None if target is None else target[rows].float(), spec.temperature,
-                                            scales if grad_enabled else None)
+                ce, kl, grad = _terms(logits[rows], None if labels is None else labels[rows],
+                                      None if target is None else target[rows], spec,
+                                      scales if grad_enabled else None, logits.dtype)
                 ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
                 if grad is not None:
                     ctx.grad[rows] = grad
@@ -235,6 +256,63 @@ def _accumulate(total: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor,
     if grad.dtype == dtype:
         return total.addmm_(grad.T, h)
     return total.add_(grad.T @ h)
+
+
+class _Compiled:
+    """`_fused_terms` under torch.compile, made on first use; after a compile failed, the eager kernels for the
+    rest of the process (one warning)."""
+
+    terms = None
+    failed = False
+
+
+def _terms(logits: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor | None, spec: _Spec,
+           scales: tuple | None, grad_dtype: torch.dtype):
+    """`_chunk_terms` of one chunk's `logits` and `target` in their own dtypes (`target` may be overwritten),
+    the gradient in `grad_dtype`; by the compiled kernels where `spec.compiled`."""
+    if spec.compiled and not _Compiled.failed:
+        try:
+            if _Compiled.terms is None:
+                _Compiled.terms = torch.compile(_fused_terms)
+            return _Compiled.terms(logits, labels, target, spec.temperature, scales, grad_dtype)
+        except Exception as error:  # a missing or failing compiler: the eager kernels compute the same terms
+            _Compiled.failed = True
+            warnings.warn(f"train.compile_vocab_loss: compiling the vocabulary loss failed ({type(error).__name__}: "
+                          f"{str(error)[:300]}); the eager kernels take over", RuntimeWarning, stacklevel=2)
+    ce, kl, grad = _chunk_terms(logits.float(), labels, None if target is None else target.float(), spec.temperature,
+                                scales)
+    return ce, kl, None if grad is None else grad.to(grad_dtype)
+
+
+def _fused_terms(logits: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor | None, temperature: float,
+                 scales: tuple | None, grad_dtype: torch.dtype):
+    """`_chunk_terms` without in-place operations, for torch.compile to fuse into a few passes over the chunk (the
+    inputs are left as they are; the casts to fp32 and of the gradient to `grad_dtype` fuse in too)."""
+    z = logits.float()
+    ce = kl = z.new_zeros(())
+    probs = lse = shifted = teacher = None
+    if labels is not None:
+        picked = labels.clamp(min=0)[:, None]
+        labelled = (labels != IGNORE).float()
+        probs, lse = _softmax_lse_fused(z)
+        ce = ((lse - z.gather(1, picked)[:, 0]) * labelled).sum()
+    if target is not None:
+        student = z if temperature == 1 else z / temperature
+        shifted, shifted_lse = (probs, lse) if temperature == 1 and probs is not None else _softmax_lse_fused(student)
+        t = target.float() if temperature == 1 else target.float() / temperature
+        teacher, teacher_lse = _softmax_lse_fused(t)
+        kl = (teacher * (t - student - (teacher_lse - shifted_lse)[:, None])).sum()
+    if scales is None:
+        return ce, kl, None
+    grad = 0.0
+    if labels is not None:
+        a = (labelled * scales[0])[:, None]
+        grad = probs * a
+    if target is not None:
+        grad = grad + scales[1] * (shifted - teacher)
+    if labels is not None:
+        grad = grad.scatter_add(1, picked, -a)
+    return ce, kl, grad.to(grad_dtype)
 
 
 def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor | None, temperature: float,
@@ -280,3 +358,12 @@ def _softmax_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     `amax`, not `max`: without the indices it is several times faster on a CPU."""
     probs = torch.softmax(x, -1)
     return probs, x.amax(-1) - probs.amax(-1).log()
+
+
+def _softmax_lse_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_softmax_lse` as maximum, exponentials and their sum, the form torch.compile fuses best (under it, a few
+    percent faster than PyTorch's softmax and a second maximum)."""
+    top = x.amax(-1, keepdim=True)
+    exp = (x - top).exp()
+    total = exp.sum(-1, keepdim=True)
+    return exp / total, (top + total.log())[:, 0]
