@@ -14,6 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_benchmark(script: str, out: Path, *args: str) -> dict:
+    """Run `benchmarks/<script>` with `args` and `--out out` in a process of its own (benchmarks change process-wide
+    settings such as the C allocator's); return the JSON record it wrote beside `out`."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True)
+    return json.loads(out.with_suffix(".json").read_text())
+
+
 def test_step_time_runs_every_variant(tmp_path):
     out = tmp_path / "step_time.json"
     # A subprocess: the benchmark changes the C allocator's settings for its whole process.
@@ -42,9 +50,8 @@ def test_throughput_runs_lnfree_remove_with_and_without_the_steady_allocator(tmp
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny").model_dump_json())
     out = tmp_path / "throughput"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--config", str(config), "--steps", "5",
-                    "--warmup", "1", "--rounds", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    results = json.loads(out.with_suffix(".json").read_text())
+    results = run_benchmark("throughput.py", out, "--config", str(config), "--steps", "5", "--warmup", "1",
+                            "--rounds", "1")
     glibc = platform.libc_ver()[0] == "glibc"
     for name, runs in results["runs"].items():
         assert [r["steady_allocator"] for r in runs] == [glibc and name != "default malloc"], name
@@ -60,10 +67,8 @@ def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path)
     config = tmp_path / "tiny.json"
     config.write_text(load_preset("tiny").model_dump_json())
     out = tmp_path / "profile"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_step_profile.py"), "--config", str(config),
-                    "--out", str(out), "--set", "train.cpu_fp32_attention=false"],
-                   check=True, cwd=ROOT, capture_output=True)
-    results = json.loads(out.with_suffix(".json").read_text())
+    results = run_benchmark("cpu_step_profile.py", out, "--config", str(config),
+                            "--set", "train.cpu_fp32_attention=false")
     assert results["settings"] == {"train.cpu_fp32_attention": False}
     for precision in ("fp32", "bf16"):
         seconds = results["profiles"][precision]["seconds"]
@@ -77,9 +82,7 @@ def test_cpu_step_profile_groups_a_step_by_operator_in_both_precisions(tmp_path)
 
 def test_bridge_memory_reports_every_stage(tmp_path):
     out = tmp_path / "bridge_memory"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bridge_memory.py"), "tiny", "--out", str(out)],
-                   check=True, cwd=ROOT, capture_output=True)
-    (result,) = json.loads(out.with_suffix(".json").read_text())
+    (result,) = run_benchmark("bridge_memory.py", out, "tiny")
     assert list(result["stages"]) == ["start", "model loaded", "bridge built", "DLA of 4 × 64 ids", "bridge released"]
     peaks = [m["peak_gb"] for m in result["stages"].values()]
     assert peaks == sorted(peaks) and all(m["rss_gb"] > 0 for m in result["stages"].values())
@@ -88,9 +91,7 @@ def test_bridge_memory_reports_every_stage(tmp_path):
 
 def test_cpu_attention_times_each_way_and_marks_the_shapes_lnfree_computes_in_fp32(tmp_path):
     out = tmp_path / "attention"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"), "--contexts", "64,256",
-                    "--repeats", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    rows = run_benchmark("cpu_attention.py", out, "--contexts", "64,256", "--repeats", "1")["rows"]
     assert [(r["head_dim"], r["context"]) for r in rows] == [(h, c) for h in (64, 128, 256) for c in (64, 256)]
     assert all(math.isfinite(ms) and ms > 0 for r in rows for ms in r["ms"].values())
     assert [r["lnfree_fp32"] for r in rows] == [True, False, True, False, False, False]
@@ -99,9 +100,8 @@ def test_cpu_attention_times_each_way_and_marks_the_shapes_lnfree_computes_in_fp
 
 def test_frozen_head_benchmark_times_both_ways_and_checks_they_agree(tmp_path):
     out = tmp_path / "frozen_head"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frozen_head.py"), "--vocab", "512", "--hidden", "32",
-                    "--tokens", "8,16", "--rounds", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    record = json.loads(out.with_suffix(".json").read_text())
+    record = run_benchmark("frozen_head.py", out, "--vocab", "512", "--hidden", "32", "--tokens", "8,16",
+                           "--rounds", "2")
     assert [r["tokens"] for r in record["results"]] == [8, 16]
     for r in record["results"]:
         assert r["logits_equal"] and r["grad_max_relative_difference"] < 0.02
@@ -119,9 +119,8 @@ def test_held_gradients_benchmark_times_both_ways_and_checks_they_agree(tmp_path
     module.parent.mkdir(parents=True)
     module.write_text(source.stdout)
     out = tmp_path / "held"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "held_gradients.py"), "--before", str(tmp_path / "before"),
-                    "--model", "tiny", "--rounds", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    record = json.loads(out.with_suffix(".json").read_text())
+    record = run_benchmark("held_gradients.py", out, "--before", str(tmp_path / "before"), "--model", "tiny",
+                           "--rounds", "2")
     assert record["max_relative_difference"] < 1e-5 and len(record["ratios"]) == 2
     assert all(t > 0 for way in ("before", "now") for t in record["seconds"][way])
     assert "| now |" in out.with_suffix(".txt").read_text()
@@ -129,9 +128,7 @@ def test_held_gradients_benchmark_times_both_ways_and_checks_they_agree(tmp_path
 
 def test_vocab_loss_benchmark_times_eager_and_compiled_and_checks_they_agree(tmp_path):
     out = tmp_path / "vocab"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocab_loss.py"), "--tokens", "32", "--vocab", "3000",
-                    "--rounds", "1", "--calls", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    record = json.loads(out.with_suffix(".json").read_text())
+    record = run_benchmark("vocab_loss.py", out, "--tokens", "32", "--vocab", "3000", "--rounds", "1", "--calls", "2")
     assert max(record["relative_difference"].values()) < 1e-4 and len(record["ratios"]) == 1
     assert all(run["median_seconds"] > 0 for way in ("eager", "compiled") for run in record["runs"][way])
     assert "| compiled |" in out.with_suffix(".txt").read_text()
