@@ -410,7 +410,7 @@ def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: 
     """`step`'s generated rows (`lnfree.removal.losses.coverage`, settings `cov`), then its one-token rows (some drawn from `texts`, the step's micro-batches), after the text's gradients, each capped apart at `max_grad_share` of the gradient before them (uncapped share: `cov_share`, `first_share`)."""
     micros, device, bos = range(s.batches.accumulation), s.accelerator.device, s.data.bos_token_id
     rows = (_evaluated(lambda m=m: objective.coverage(model, s.coverage_rows(step, m, cov).to(device), cov, bos)) for m in micros)
-    totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share")
+    totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share", objective.teaching(cov.kl_weight))
     if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
         first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True, texts[m]).to(device), cov)) for m in micros)
         totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share", reads_logits=False)

@@ -112,6 +112,15 @@ def auxiliary_loss(
     return ((std - typical_scale(std, input_ids, eot_token_id)) ** 2).mean()
 
 
+def _output_tie(output) -> torch.Tensor:
+    """An exact zero that depends on the forward's logits, for a loss read off inner activations alone (norm
+    inputs, by hooks). FSDP hangs its backward hooks (unshard, then reduce the gradients) on a sharded module's
+    outputs, so without it such a loss's gradients would never be reduced across processes (and its
+    modules' weights would not be gathered for the backward). An empty slice: no arithmetic on logits that may
+    have run away. Where the head was skipped (DDP, one process) it is a plain zero."""
+    return output.logits[..., :0].sum()
+
+
 class Objective:
     """A run's loss on `model` (the unwrapped module: its hooks see every forward of a DDP/FSDP
     wrapper too). `remove()` takes the hooks away when training ends."""
@@ -177,7 +186,7 @@ class Objective:
         with contextlib.ExitStack() as stack:
             for hooks in self.captured:
                 stack.enter_context(hooks.capturing())
-            output = self._forward(model, ids, labels=not self._teaching(alpha))
+            output = self._forward(model, ids, labels=not self.teaching(alpha))
         watching = self.teacher_attention is not None and attend is not None  # the teacher's rows, while it is on
         with self.teacher_attention.capturing() if watching else contextlib.nullcontext():
             vocab, ce, kl = self._vocab_terms(output, ids, 1 - alpha, alpha, labels=True)
@@ -249,11 +258,11 @@ class Objective:
         hinge against that text's typical scales, no CE; the norms' σ statistics paused."""
         bare = self.norm_inputs.model
         with surgery.statistics_paused(bare), self.norm_inputs.capturing():
-            output = self._forward(model, input_ids, labels=False)
+            output = self._forward(model, input_ids, labels=False, logits=self.teaching(cov.kl_weight))
         position0 = input_ids[:, 0] != bos if cov.no_bos_position0 and bos is not None else None
         hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, position0)
         vocab, _, kl = self._vocab_terms(output, input_ids, 0.0, cov.kl_weight, labels=False)
-        loss = vocab + cov.weight * hinge
+        loss = vocab + cov.weight * hinge + _output_tie(output)
         terms = [torch.zeros_like(hinge)] * len(TERMS)
         terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
@@ -263,12 +272,12 @@ class Objective:
         micro-batch: the coverage hinge at their only token, position 0, against that text's typical scales;
         no KL, the norms' σ statistics paused."""
         with surgery.statistics_paused(self.norm_inputs.model), self.norm_inputs.capturing():
-            self._forward(model, input_ids, labels=False, logits=False)
+            output = self._forward(model, input_ids, labels=False, logits=False)
         every = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
         hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, every)
         terms = [torch.zeros_like(hinge)] * len(TERMS)
         terms[0], terms[TERMS.index("first_tail")] = cov.weight * hinge, hinge
-        return cov.weight * hinge, torch.stack([t.detach() for t in terms])
+        return cov.weight * hinge + _output_tie(output), torch.stack([t.detach() for t in terms])
 
     @contextlib.contextmanager
     def margin(self, model: nn.Module, input_ids: torch.Tensor, site: tuple[int, int], setting: StabilityMargin,
@@ -290,9 +299,9 @@ class Objective:
             clean = self._residual_inputs()
             with change:
                 with self.norm_inputs.capturing():
-                    self._forward(model, input_ids, labels=False, logits=False)
+                    output = self._forward(model, input_ids, labels=False, logits=False)
                 hinge = margin_loss(clean, self._residual_inputs(), position, self.norm_kind, factor, setting.ratio)
-                loss = setting.weight * hinge
+                loss = setting.weight * hinge + _output_tie(output)
                 terms = [torch.zeros_like(hinge)] * len(TERMS)
                 terms[0], terms[TERMS.index("margin")] = loss, hinge
                 yield loss, torch.stack([t.detach() for t in terms])
@@ -303,8 +312,9 @@ class Objective:
         inputs = self.norm_inputs.take()
         return [x for x, module in zip(inputs, self.norm_inputs.sources, strict=True) if module in self.residual_reads]
 
-    def _teaching(self, kl_weight: float) -> bool:
-        """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `logits_loss`)."""
+    def teaching(self, kl_weight: float) -> bool:
+        """Whether the vocabulary terms hold a KL to the teacher (then CE comes with it, `logits_loss`); the
+        coverage rows' loss reads the logits only then."""
         return self.teacher is not None and kl_weight > 0
 
     def _forward(self, model: nn.Module, ids: torch.Tensor, labels: bool, logits: bool = True):
@@ -324,7 +334,7 @@ class Objective:
         """(ce_weight·CE + kl_weight·KL, CE, KL) of the student's `output` on `ids`: CE when `labels`, KL
         to the teacher when there is one and `kl_weight` > 0; a term that is off is zero."""
         zero = torch.zeros((), device=ids.device)
-        teaching = self._teaching(kl_weight)
+        teaching = self.teaching(kl_weight)
         if self.head is not None:
             return self._chunked_terms(ids, ce_weight, kl_weight if teaching else 0.0, labels, teaching)
         if not teaching:
