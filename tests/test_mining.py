@@ -103,6 +103,21 @@ def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_res
     assert np.isfinite([r["cov_kl"] for r in lines if "cov_kl" in r]).all()
 
 
+def test_a_run_mines_while_position_0_keeps_its_own_sigma(run_config):
+    # The sweep's rows are shorter than the text's; position 0's σ reads the positions of the forward it runs in
+    # (the model's hook): a sweep of the body alone read the last text forward's and stopped on the shapes.
+    cov = {"rows": 1, "ratio": 1.2, "start": 0, "max_grad_share": 0.3}
+    stages = [*run_config().removal.schedule.model_dump(exclude_none=True)["stages"],
+              {"kind": "pos0_special", "start": 12, "blend_steps": 1}]
+    config = with_overrides(run_config(max_steps=14), {
+        "train.coverage": [cov, {**cov, "start": 8, "mine": {"of": 1, "context": 8}}], "train.distill_alpha": 0.5,
+        "train.eval_every": 0, "removal.special_pos0": True, "removal.schedule": {"stages": stages}})
+    out = run(config, progress=False).output_dir
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r.get("event") == "mine"] == [8]
+    assert [r["step"] for r in lines if r.get("slot") == "pos0_special"] == [12]  # after the sweep
+
+
 def test_a_vanilla_control_skips_the_sweep(run_config):
     cov = {"rows": 1, "start": 0}
     config = with_overrides(run_config(max_steps=6), {

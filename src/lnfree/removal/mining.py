@@ -4,7 +4,7 @@
 vocabulary would take hours that way. A runaway on a repeated id shows within a few repeats (on the
 Gemma 3 270M LN-free checkpoints measured, the ids that overflow at 64 tokens already do at 6–8), and
 the overflow measure reads only the residual stream, so this sweep runs BOS and the id repeated to a
-short context through the model's body alone (no head: Gemma's 640 × 262,144 unembedding is most of
+short context through the model without its head's product (Gemma's 640 × 262,144 unembedding is most of
 its forward) and records per id its largest residual norm over the model's *envelope* (per layer, the
 largest norm it reaches on real text; inf where a value is non-finite). An id overflows above
 `OVERFLOW_RATIO`, as in `lnfree stress`.
@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lnfree.arch import architecture
+from lnfree.removal.losses.vocab_loss import HeadInput
 
 #: A residual norm this many times the model's own envelope at that layer is an overflow.
 OVERFLOW_RATIO = 10.0
@@ -67,15 +68,16 @@ class Mining(BaseModel):
 def residual_stream(model: torch.nn.Module, ids: torch.Tensor, *, head: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(residual stream [n_layers + 1, n, T, d]: the input of every block and of the final norm, logits
-    [n, T, V] as fp32) of one forward of a transformers model; without `head`, the body's forward alone
-    (`base_model`) and no logits."""
+    [n, T, V] as fp32) of one forward of a transformers model; without `head`, no logits (the head computes no
+    product at all: `HeadInput.skipping`). The forward is the whole model's, whose hook sets the positions that
+    special σ read."""
     arch = architecture(model)
     captured: list[torch.Tensor] = []
     final = model.get_submodule(arch.final_norm)
     handle = final.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
     try:
-        out = (model if head else model.base_model)(
-            input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
+        with nullcontext() if head else HeadInput(model, arch, for_loss=False).skipping():
+            out = model(input_ids=ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
     finally:
         handle.remove()
     if len(captured) != 1:  # pragma: no cover - guards a transformers behaviour change
