@@ -103,6 +103,20 @@ def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_res
     assert np.isfinite([r["cov_kl"] for r in lines if "cov_kl" in r]).all()
 
 
+def test_every_process_sweeps_as_many_ids_whatever_its_share(monkeypatch):
+    # Under FSDP every forward gathers the weights from all processes: a share one id shorter whose sweep ran one
+    # batch fewer would leave the others waiting.
+    from lnfree.removal import mining as module
+
+    swept = []
+    monkeypatch.setattr(module, "text_envelope", lambda *a, **k: torch.ones(3))
+    monkeypatch.setattr(module, "repeated_sweep", lambda model, ids, *a, **k: swept.append(len(ids)) or torch.zeros(len(ids)))
+    model = torch.nn.Linear(1, 1)
+    model.config = type("Config", (), {"vocab_size": 7})()
+    found = [mine(model, Mining(of=1), torch.zeros(1, 4), bos=None, seed=0, rank=r, world=2) for r in (0, 1)]
+    assert swept == [4, 4] and [f.swept for f in found] == [4, 3]
+
+
 def test_a_run_mines_while_position_0_keeps_its_own_sigma(run_config):
     # The sweep's rows are shorter than the text's; position 0's σ reads the positions of the forward it runs in
     # (the model's hook): a sweep of the body alone read the last text forward's and stopped on the shapes.

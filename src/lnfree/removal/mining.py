@@ -190,7 +190,9 @@ def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int
     model.eval()
     try:
         limits = text_envelope(model, text, bf16=bf16)
-        ids = vocabulary_part(int(model.config.vocab_size), [mining.part], mining.of, seed)[rank::world]
+        part = vocabulary_part(int(model.config.vocab_size), [mining.part], mining.of, seed)
+        # Every process sweeps as many ids, so runs as many forwards: under FSDP each gathers the weights from all.
+        ids = np.resize(part[rank::world], -(-len(part) // world))  # a shorter share repeats its first id
         ratio = repeated_sweep(model, torch.from_numpy(ids), limits, bos=bos, context=mining.context,
                                batch_size=mining.batch_size, bf16=bf16)
         random = random_sweep(model, ids, limits, bos=bos, seed=seed, context=mining.random_context,
@@ -198,7 +200,8 @@ def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int
     finally:
         model.train(was_training)
     order = np.argsort(-ratio.numpy(), kind="stable")
-    return Found([int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO], random, len(ids))
+    repeated = dict.fromkeys(int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO)
+    return Found(list(repeated), random, len(part[rank::world]))
 
 
 class MinedIds:
