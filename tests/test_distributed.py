@@ -105,8 +105,7 @@ def test_fsdp_gemma3_run_with_the_robust_recipes_terms_takes_the_steps_of_a_ddp_
                                                  "mine": {"part": 0, "of": 1, "random": True}}],
         "removal.special_pos0": True, "removal.schedule": {"stages": stages}, "removal.scale_ceiling": {"ratio": 8.0, "release_start": steps - 2, "release_steps": 1}})
     runs = {kind: run_two_processes(config, tmp_path / kind, fsdp=kind == "fsdp") for kind in ("ddp", "fsdp")}
-    logs = {kind: [json.loads(line) for line in (tmp_path / kind / "dist-run" / "log.jsonl").read_text().splitlines()]
-            for kind in runs}
+    logs = {kind: dist_log(tmp_path / kind) for kind in runs}
     events = {kind: [(r["event"], r["step"], r.get("slot")) for r in log if r.get("event", "end") not in ("start", "end")]
               for kind, log in logs.items()}
     assert events["fsdp"] == events["ddp"] and ("mine", steps - 6, None) in events["ddp"]
@@ -125,8 +124,7 @@ def test_fsdp_bf16_run_follows_the_ddp_run(run_config, tmp_path):
     logged = []
     for kind in ("ddp", "fsdp"):
         run_two_processes(config, tmp_path / kind, fsdp=kind == "fsdp")
-        records = [json.loads(line) for line in (tmp_path / kind / "dist-run" / "log.jsonl").read_text().splitlines()]
-        logged.append(torch.tensor([[r["loss"], r["grad_norm"]] for r in records if "loss" in r]))
+        logged.append(torch.tensor([[r["loss"], r["grad_norm"]] for r in dist_log(tmp_path / kind) if "loss" in r]))
     ddp, fsdp = logged
     assert len(ddp) == 14
     torch.testing.assert_close(fsdp, ddp, rtol=1e-3, atol=0)  # measured: at most 1.2e-4 apart
@@ -169,6 +167,11 @@ def run_two_processes(config, tmp_path, fsdp: bool = False) -> dict:
     result = json.loads(result_file.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo" and result["sharded"] == fsdp
     return result
+
+
+def dist_log(tmp_path) -> list[dict]:
+    """The records of the log that `run_two_processes(config, tmp_path)` wrote."""
+    return [json.loads(line) for line in (tmp_path / "dist-run" / "log.jsonl").read_text().splitlines()]
 
 
 def two_processes_match_one(config, tmp_path, fsdp: bool = False):
