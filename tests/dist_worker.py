@@ -1,9 +1,11 @@
 """Run under torchrun: one lnfree run, then gather every rank's σ and weights into a JSON file (rank 0).
 
-    torchrun --nproc_per_node=2 tests/dist_worker.py CONFIG.json RESULT.json [--natural-exit] [--fsdp]
+    torchrun --nproc_per_node=2 tests/dist_worker.py CONFIG.json RESULT.json [--natural-exit] [--fsdp | --fsdp-blocks]
 
 --natural-exit ends the script as a user's would (no explicit teardown, no `exit_without_teardown`):
-benchmarks/gloo_exit.py counts how often that aborts. --fsdp shards the run with FSDP2 (`shard_on_cpu`).
+benchmarks/gloo_exit.py counts how often that aborts. --fsdp shards the run with FSDP2 (`shard_on_cpu`): the root
+module alone (accelerate's default plugin), or with --fsdp-blocks each transformer block too (its
+`transformer_based_wrap` policy over the model's `_no_split_modules`, as GPU users' accelerate configs set it).
 """
 
 import json
@@ -19,9 +21,10 @@ from lnfree.removal.launch import close_distributed, exit_without_teardown
 from lnfree.removal.train import run
 
 
-def shard_on_cpu() -> None:
-    """Make the run's accelerator shard with FSDP2 on these gloo processes. accelerate turns a CPU process group into
-    DDP whatever its FSDP settings (`MULTI_CPU`), while FSDP2 itself runs on gloo: set its shared state first."""
+def shard_on_cpu(blocks: bool) -> None:
+    """Make the run's accelerator shard with FSDP2 on these gloo processes (each block in its own group where
+    `blocks`). accelerate turns a CPU process group into DDP whatever its FSDP settings (`MULTI_CPU`), while FSDP2
+    itself runs on gloo: set its shared state first."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -29,11 +32,12 @@ def shard_on_cpu() -> None:
     Accelerator(cpu=True)
     PartialState().distributed_type = DistributedType.FSDP  # the state a later Accelerator copies from
     AcceleratorState().distributed_type = DistributedType.FSDP
-    AcceleratorState().fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    wrap = {"auto_wrap_policy": "transformer_based_wrap"} if blocks else {}
+    AcceleratorState().fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **wrap)
 
 
-if "--fsdp" in sys.argv[3:]:
-    shard_on_cpu()
+if {"--fsdp", "--fsdp-blocks"} & set(sys.argv[3:]):
+    shard_on_cpu(blocks="--fsdp-blocks" in sys.argv[3:])
 config = RunConfig.model_validate_json(open(sys.argv[1]).read())
 result = run(config, progress=False)
 sigmas = torch.stack([state.sigmas() for state in surgery.scale_states(result.model).values()])
@@ -52,7 +56,8 @@ if dist.get_rank() == 0:
         json.dump({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
                    "sigmas": [g.tolist() for g in gathered], "fixed": [f.tolist() for f in flags],
                    "events": events, "held_out_ce_end": result.held_out_ce_end,
-                   "weights": [w.tolist() for w in gathered_weights], "sharded": isinstance(result.model, FSDPModule)}, f)
+                   "weights": [w.tolist() for w in gathered_weights], "sharded": isinstance(result.model, FSDPModule),
+                   "groups": [name for name, m in result.model.named_modules() if isinstance(m, FSDPModule)]}, f)
 if "--natural-exit" not in sys.argv[3:]:
     close_distributed()
     exit_without_teardown(0)  # as `lnfree remove` ends a distributed run

@@ -60,7 +60,7 @@ def test_two_process_capped_rows_take_the_same_step_on_every_rank(run_config, tm
 
 def test_fsdp_run_freezes_the_single_process_sigma(run_config, tmp_path):
     # FSDP2 on two gloo processes: weights sharded, gathered inside each forward (the GPU users' --fsdp path).
-    two_processes_match_one(run_config(max_steps=14, micro_batch_size=4), tmp_path, fsdp=True)
+    two_processes_match_one(run_config(max_steps=14, micro_batch_size=4), tmp_path, sharding="fsdp")
 
 
 @pytest.mark.parametrize("settings", [
@@ -75,7 +75,7 @@ def test_fsdp_run_takes_the_steps_of_a_ddp_run(run_config, tmp_path, settings):
     # its gradient reduction on the module's outputs, DDP's run reduces them by hand. The same global batch must
     # end at the same weights (fp32: they differ by the reductions' rounding, about 1e-5 here).
     config = with_overrides(run_config(max_steps=14, micro_batch_size=4), settings)
-    ddp, fsdp = (run_two_processes(config, tmp_path / kind, fsdp=kind == "fsdp")["weights"][0] for kind in ("ddp", "fsdp"))
+    ddp, fsdp = (run_two_processes(config, tmp_path / kind, kind)["weights"][0] for kind in ("ddp", "fsdp"))
     torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ddp), rtol=1e-4, atol=1e-4)
 
 
@@ -104,16 +104,36 @@ def test_fsdp_gemma3_run_with_the_robust_recipes_terms_takes_the_steps_of_a_ddp_
                                                  "no_bos_share": 0.5, "first_token_rows": 8, "first_text_share": 0.5,
                                                  "mine": {"part": 0, "of": 1, "random": True}}],
         "removal.special_pos0": True, "removal.schedule": {"stages": stages}, "removal.scale_ceiling": {"ratio": 8.0, "release_start": steps - 2, "release_steps": 1}})
-    runs = {kind: run_two_processes(config, tmp_path / kind, fsdp=kind == "fsdp") for kind in ("ddp", "fsdp")}
+    kinds = ("ddp", "fsdp", "fsdp-blocks")  # FSDP2 on the root alone, and on each block too
+    runs = {kind: run_two_processes(config, tmp_path / kind, kind) for kind in kinds}
     logs = {kind: dist_log(tmp_path / kind) for kind in runs}
     events = {kind: [(r["event"], r["step"], r.get("slot")) for r in log if r.get("event", "end") not in ("start", "end")]
               for kind, log in logs.items()}
-    assert events["fsdp"] == events["ddp"] and ("mine", steps - 6, None) in events["ddp"]
+    assert events["fsdp"] == events["ddp"] == events["fsdp-blocks"] and ("mine", steps - 6, None) in events["ddp"]
     assert sum(event == "skip" for event, _, _ in events["ddp"]) >= 1  # a violent run: the reductions' rounding grows
     losses = {kind: torch.tensor([r["loss"] for r in log if "loss" in r]) for kind, log in logs.items()}
-    torch.testing.assert_close(losses["fsdp"], losses["ddp"], rtol=1e-2, atol=0)  # measured: within 2e-3
-    fsdp, ddp = (torch.tensor(runs[kind]["weights"][0]) for kind in ("fsdp", "ddp"))
-    torch.testing.assert_close(fsdp, ddp, rtol=5e-3, atol=5e-3)  # measured: within 4e-4 of each tensor's sum
+    ddp = torch.tensor(runs["ddp"]["weights"][0])
+    for kind in kinds[1:]:
+        torch.testing.assert_close(losses[kind], losses["ddp"], rtol=1e-2, atol=0)  # measured: within 2e-3
+        fsdp = torch.tensor(runs[kind]["weights"][0])
+        torch.testing.assert_close(fsdp, ddp, rtol=5e-3, atol=5e-3)  # measured: within 4e-4 of each tensor's sum
+
+
+def test_fsdp_per_block_run_averages_the_norm_weights_gradients_read_after_the_forward(tmp_path):
+    # The tail hinge measured at the norms' outputs reads each norm's weight after the forward, where FSDP with a
+    # group per block has sharded it again: gathered there, its gradient must be averaged over the processes as
+    # FSDP averages the rest (summed, the weights end 1.7× off; averaged, measured within 1.6e-4 of DDP's).
+    from test_arch import family_run_config
+
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    config = with_overrides(family_run_config("gemma3", tokenizer, tmp_path, micro_batch_size=4), {
+        "train.distill_alpha": 0.0, "train.vector_lr_scale": 100.0,  # the norm weights move enough to compare
+        "train.scale_tail": [{"ratio": 1.2, "start": 0, "measure": "output", "weight": 10.0}]})
+    ddp, fsdp = (torch.tensor(run_two_processes(config, tmp_path / kind, kind)["weights"][0])
+                 for kind in ("ddp", "fsdp-blocks"))
+    torch.testing.assert_close(fsdp, ddp, rtol=2e-3, atol=1e-4)
 
 
 def test_fsdp_bf16_run_follows_the_ddp_run(run_config, tmp_path):
@@ -123,7 +143,7 @@ def test_fsdp_bf16_run_follows_the_ddp_run(run_config, tmp_path):
     config = with_overrides(run_config(max_steps=14, micro_batch_size=4), {"train.mixed_precision": "bf16"})
     logged = []
     for kind in ("ddp", "fsdp"):
-        run_two_processes(config, tmp_path / kind, fsdp=kind == "fsdp")
+        run_two_processes(config, tmp_path / kind, kind)
         logged.append(torch.tensor([[r["loss"], r["grad_norm"]] for r in dist_log(tmp_path / kind) if "loss" in r]))
     ddp, fsdp = logged
     assert len(ddp) == 14
@@ -149,9 +169,9 @@ def test_two_process_remove_command_never_tears_down_with_gloo_threads_alive(run
     assert all(not threads for threads in alive.values()), alive
 
 
-def run_two_processes(config, tmp_path, fsdp: bool = False) -> dict:
-    """Run `config` on two gloo processes (FSDP2-sharded where `fsdp`, else DDP); what `dist_worker.py` gathered
-    from both ranks."""
+def run_two_processes(config, tmp_path, sharding: str = "ddp") -> dict:
+    """Run `config` on two gloo processes, under DDP or FSDP2 (`sharding` "fsdp": the root module; "fsdp-blocks": each
+    block too); what `dist_worker.py` gathered from both ranks."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config_file = tmp_path / "dist.json"
     config_file.write_text(with_overrides(config, {"output_dir": str(tmp_path / "dist-run")}).model_dump_json())
@@ -160,12 +180,14 @@ def run_two_processes(config, tmp_path, fsdp: bool = False) -> dict:
     worker = Path(__file__).with_name("dist_worker.py")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(worker), str(config_file), str(result_file), *(["--fsdp"] if fsdp else [])],
+         str(worker), str(config_file), str(result_file), *([f"--{sharding}"] if sharding != "ddp" else [])],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-20000:]
     result = json.loads(result_file.read_text())
-    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["sharded"] == fsdp
+    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["sharded"] == (sharding != "ddp")
+    blocks = [name for name in result["groups"] if name.split(".")[-1].isdigit()]  # `transformer.h.0`, `model.layers.0`
+    assert bool(blocks) == (sharding == "fsdp-blocks"), result["groups"]  # a group per block, or only the root's
     return result
 
 
@@ -174,9 +196,9 @@ def dist_log(tmp_path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "dist-run" / "log.jsonl").read_text().splitlines()]
 
 
-def two_processes_match_one(config, tmp_path, fsdp: bool = False):
+def two_processes_match_one(config, tmp_path, sharding: str = "ddp"):
     """Run `config` on two gloo processes and on one; every rank must freeze the single run's σ."""
-    result = run_two_processes(config, tmp_path, fsdp)
+    result = run_two_processes(config, tmp_path, sharding)
     rank0, rank1 = (torch.tensor(s) for s in result["sigmas"])
     assert torch.equal(rank0, rank1)
     assert all(all(flag == 1.0 for flag in rank) for rank in result["fixed"])

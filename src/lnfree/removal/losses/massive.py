@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
@@ -418,8 +419,17 @@ def weighted_inputs(inputs: list[torch.Tensor], sources: list[nn.Module], kind: 
         x = x.float()
         if kind == "layer":
             x = x - x.mean(-1, keepdim=True)
-        weighted.append(x * module.weight.float())
+        weighted.append(x * _gathered(module.weight).float())
     return weighted
+
+
+def _gathered(weight: torch.Tensor) -> torch.Tensor:
+    """A module's weight whole, read after its forward: FSDP with a group per block has sharded it again by then
+    (a DTensor). Its gradient on each process is then that process's share of the average over processes, as FSDP
+    averages every other gradient (DDP too)."""
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
 
 
 def pieces(tail) -> list:
