@@ -13,7 +13,7 @@ from families import tiny_family
 from lnfree.arch import architecture
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig, with_overrides
-from lnfree.removal.losses.massive import scale_loss
+from lnfree.removal.losses.massive import position0_scale_loss, scale_loss
 from lnfree.removal.losses.objective import TERMS, HeadNormInputs, Objective
 from lnfree.removal.train import run
 
@@ -91,3 +91,47 @@ def test_a_run_with_the_term_logs_it_and_narrows_the_heads_scales(tmp_path):
         return float(scale_loss(head_inputs(model, ids), ids, tokenizer.eos_token_id, "rms", form="log"))
 
     assert spread(pulled.model) < 0.8 * spread(plain.model)  # measured 0.65×
+
+
+def test_position_0s_key_scale_against_the_other_tokens_typical_one():
+    ids = torch.tensor([[9, 6, 7, 0, 8], [9, 5, 5, 5, 5]])  # position 0 and the EOT (id 0) are not typical
+    x = torch.randn(2, 5, 1, 8)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # every token at RMS 1
+    assert float(position0_scale_loss([x], ids, 0, "rms")) == pytest.approx(0, abs=1e-6)
+    small = x.clone()
+    small[0, 0] *= 0.25  # the first row's position 0 enters at a quarter of the typical scale
+    small[:, 2] *= 4  # another token loud: the typical scale is their geometric mean over both rows
+    typical = 4 ** (2 / 7)  # 7 typical tokens, 2 of them at log 4
+    expected = (torch.tensor(0.25 / typical).log() ** 2 + torch.tensor(1 / typical).log() ** 2) / 2
+    assert float(position0_scale_loss([small], ids, 0, "rms")) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_position_0s_key_scale_reaches_the_key_projections_and_no_query():
+    model = surgery.install(tiny_family("gemma3")).train()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    keys = HeadNormInputs(model, ("k_norm",))
+    with keys.capturing():
+        model(input_ids=ids)
+    inputs = keys.take()
+    keys.remove()
+    assert len(inputs) == 2 and inputs[0].shape == (2, 12, model.config.num_key_value_heads, 8)
+    position0_scale_loss(inputs, ids, 0, "rms").backward()
+    attn = [model.get_submodule(f"{architecture(model).layers}.{i}.self_attn") for i in (0, 1)]
+    keys_grad = [float(a.k_proj.weight.grad.abs().sum()) for a in attn]
+    assert min(keys_grad) > 0
+    # position 0 attends to itself alone: its query moves nothing (up to the attention's rounding, ~1e-6 here)
+    assert all(a.q_proj.weight.grad is None or a.q_proj.weight.grad.abs().sum() < 1e-4 * keys_grad[1] for a in attn)
+
+
+def test_a_run_logs_position_0s_key_scale_in_the_loss():
+    model = surgery.install(tiny_family("gemma3")).train()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    train = TrainConfig(position0_key_scale_weight=2.0, distill_alpha=0.0, aux_loss_weight=0.0)
+    objective = Objective(model, train, architecture(model), None, 0, contextlib.nullcontext)
+    _, terms = objective(model, ids, objective.tails_at(0))
+    key0 = terms[TERMS.index("key0")]
+    assert key0 > 0
+    torch.testing.assert_close(terms[0], terms[TERMS.index("ce")] + 2 * key0)
+    record = objective.record([0.0] * (len(TERMS) + 1))
+    assert "key0" in record and "head_scale" not in record
+    objective.remove()

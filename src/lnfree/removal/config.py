@@ -110,6 +110,12 @@ class TrainConfig(_Strict):
         "(one σ per norm). While such a norm is real its input's scale is free; fixed, a key's scale sets its "
         "attention logits. 0 is off"
     )
+    position0_key_scale_weight: float = Field(
+        0.0, ge=0, description="log(scale / typical)² of position 0's input to each key norm (k_norm of Qwen3 and "
+        "Gemma 3), per head, against the other tokens' typical scale there. While the key norm is real the scale "
+        "is free; once it is fixed with one σ, a position 0 that enters it small (Gemma 3 270M's BOS: 0.17–0.84× "
+        "the median token) gets a key too small for the attention sink. 0 is off"
+    )
     scale_loss_form: Literal["relative", "log"] = Field(
         "relative", description="the scale loss per token: (scale / typical − 1)², or log(scale / typical)²"
     )

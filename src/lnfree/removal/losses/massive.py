@@ -380,6 +380,18 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     return total / max(1, len(inputs))
 
 
+def position0_scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
+                         kind: str) -> torch.Tensor:
+    """Mean over norm inputs of the mean over rows (and heads) of log(position 0's scale / typical scale)², the
+    typical scale being the geometric mean over the other tokens (neither position 0 nor EOT) and every head:
+    what one σ per norm would leave position 0 off by once the norm is fixed."""
+    total = torch.zeros((), device=input_ids.device)
+    for x in inputs:
+        log_scale = _scale_with_grad(x, kind).log()
+        total = total + ((log_scale[:, 0] - typical_scale(log_scale, input_ids, eot_token_id)) ** 2).mean()
+    return total / max(1, len(inputs))
+
+
 def position0_log_gain(module: nn.Module) -> torch.Tensor:
     """log(σ / position 0's divisor) at an installed norm module (a device scalar, no host sync): how much
     larger position 0 leaves the norm than a token of the same input scale dividing by σ. Nonzero only

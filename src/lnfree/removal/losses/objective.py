@@ -1,7 +1,7 @@
 """The loss a run trains on, one micro-batch at a time.
 
-    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_heads·head_scale + w_tail(step)·tail
-           + w_pos0(step)·pos0
+    loss = (1 − α)·CE + α·KL(teacher ‖ model) + w_aux·aux + w_scale·scale + w_heads·head_scale + w_key0·key0
+           + w_tail(step)·tail + w_pos0(step)·pos0
            + w_mlp0(step)·mlp0 + w_range(step)·range + w_gain(step)·gain + w_growth(step)·growth
            + w_attn(step)·attn
            [+ w_margin(step)·margin, its own forward]
@@ -10,7 +10,8 @@ CE is the next-token cross-entropy; KL distils the frozen original (`train.disti
 aux pulls the per-token scale at the final norm's input towards its typical value (Baroni et al. 2025's auxiliary loss);
 scale and tail do the same at every norm input (`lnfree.removal.losses.massive`: the spread of all tokens, and
 the hinge on the tokens above the `train.scale_tail` ratio × typical); head_scale is scale at the per-head norms'
-inputs, per token and head (`train.head_scale_loss_weight`); pos0 is that hinge on position 0
+inputs, per token and head (`train.head_scale_loss_weight`); key0 is position 0's alone at the key norms'
+inputs, per head (`train.position0_key_scale_weight`); pos0 is that hinge on position 0
 alone (`train.position0_tail`); mlp0 pulls what position 0's own MLPs write towards zero
 (`train.position0_mlp`, `lnfree.removal.losses.position0_mlp`); range pulls every MLP neuron back within a multiple of
 its range in the original (`train.neuron_range`, `lnfree.removal.losses.neuron_range`); gain bounds every MLP
@@ -50,6 +51,7 @@ from lnfree.removal.losses.massive import (
     NormInputs,
     pieces,
     position0_log_gain,
+    position0_scale_loss,
     scale_loss,
     scale_tail_loss,
     tail_at,
@@ -63,8 +65,8 @@ from lnfree.removal.losses.position0_mlp import MlpOutputs, position0_mlp_loss
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, compiles_vocab_terms, logits_loss, vocab_loss
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
-TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "tail", "pos0", "mlp0", "range", "gain", "growth", "attn",
-         "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share")
+TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "key0", "tail", "pos0", "mlp0", "range", "gain", "growth",
+         "attn", "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share")
 #: One training step's row, as train.py stacks and logs it: the `TERMS`, then the gradient norm.
 STEP_ROW = (*TERMS, "grad_norm")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
@@ -85,10 +87,12 @@ class LnfInput:
 
 class HeadNormInputs(Captured):
     """Keeps every per-head norm's input (q_norm, k_norm) of the latest forward pass, as (batch, positions,
-    heads, head dim) whatever the family's layout: `scale_loss` then sees one scale per token and head."""
+    heads, head dim) whatever the family's layout: `scale_loss` then sees one scale per token and head. `stages`:
+    only those norms (such as ("k_norm",)), or every per-head norm."""
 
-    def __init__(self, model: nn.Module):
-        sites = [site for site in architecture(model).sites() if site.per_head]
+    def __init__(self, model: nn.Module, stages: tuple[str, ...] | None = None):
+        sites = [site for site in architecture(model).sites()
+                 if site.per_head and (stages is None or site.stage in stages)]
         super().__init__([model.get_submodule(site.module) for site in sites])
         self.heads_axes = {module: site.heads_axis for module, site in zip(self.modules, sites, strict=True)}
         self.handles = [module.register_forward_pre_hook(self.keep_input) for module in self.modules]
@@ -140,6 +144,7 @@ class Objective:
         self.typical: list[torch.Tensor] | None = None  # the text's typical log scales, for `coverage`
         self.norm_inputs = NormInputs(model) if wanted else None
         self.head_inputs = HeadNormInputs(model) if train.head_scale_loss_weight > 0 else None
+        self.key_inputs = HeadNormInputs(model, ("k_norm",)) if train.position0_key_scale_weight > 0 else None
         self.blocks = model.get_submodule(arch.layers)  # where `margin` perturbs the residual
         self.residual_reads = {model.get_submodule(site.module) for site in arch.sites()  # what `margin` hinges
                                if not site.per_head and not site.on_output}
@@ -155,7 +160,7 @@ class Objective:
         self.teacher_head: HeadInput | None = None
         self.teacher_attention: AttentionPatterns | None = None
         self.set_teacher(teacher, arch)
-        self.captured = [hooks for hooks in (self.norm_inputs, self.head_inputs, self.mlp_outputs,
+        self.captured = [hooks for hooks in (self.norm_inputs, self.head_inputs, self.key_inputs, self.mlp_outputs,
                                              self.neuron_activations, self.sublayers, self.attention) if hooks is not None]
         for hooks in self.captured:  # only the loss's own forwards: not the evaluations, not a recompute,
             hooks.active = False  # not the coverage rows
@@ -210,6 +215,9 @@ class Objective:
         heads = torch.zeros_like(ce)
         if self.head_inputs is not None:
             heads = scale_loss(self.head_inputs.take(), ids, eot, kind, train.scale_loss_form)
+        key0 = torch.zeros_like(ce)
+        if self.key_inputs is not None:
+            key0 = position0_scale_loss(self.key_inputs.take(), ids, eot, kind)
         silence = torch.zeros_like(ce)
         if self.mlp_outputs is not None:
             outputs = self.mlp_outputs.take()
@@ -237,11 +245,11 @@ class Objective:
                     growth = local_growth_loss(self.sublayers, inputs, growth_on)
         weights = [0.0 if t is None else t.weight for t in (*tails[:5], growth_on, attend)]
         loss = (vocab + train.aux_loss_weight * aux + train.scale_loss_weight * spread
-                + train.head_scale_loss_weight * heads
+                + train.head_scale_loss_weight * heads + train.position0_key_scale_weight * key0
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond
                 + weights[4] * gain + weights[5] * growth + weights[6] * attn)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, heads, excess, excess0, silence, beyond, gain, growth, attn,
+        terms = (loss, ce, aux, kl, spread, heads, key0, excess, excess0, silence, beyond, gain, growth, attn,
                  zero, zero, zero, zero, zero, zero, zero)
         return loss, torch.stack([t.detach() for t in terms])
 
@@ -369,6 +377,8 @@ class Objective:
             del record["scale"]
         if self.train.head_scale_loss_weight == 0:
             del record["head_scale"]
+        if self.train.position0_key_scale_weight == 0:
+            del record["key0"]
         if self.train.coverage is None:
             del record["cov_kl"], record["cov_tail"], record["cov_share"]
         if not any(piece.first_token_rows for piece in pieces(self.train.coverage)):
