@@ -13,7 +13,7 @@ from families import tiny_family
 from lnfree.arch import architecture
 from lnfree.fixedscale import surgery
 from lnfree.removal.config import TrainConfig, with_overrides
-from lnfree.removal.losses.massive import position0_scale_loss, scale_loss
+from lnfree.removal.losses.massive import scale_loss
 from lnfree.removal.losses.objective import TERMS, HeadNormInputs, Objective
 from lnfree.removal.train import run
 
@@ -97,13 +97,13 @@ def test_position_0s_key_scale_against_the_other_tokens_typical_one():
     ids = torch.tensor([[9, 6, 7, 0, 8], [9, 5, 5, 5, 5]])  # position 0 and the EOT (id 0) are not typical
     x = torch.randn(2, 5, 1, 8)
     x = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # every token at RMS 1
-    assert float(position0_scale_loss([x], ids, 0, "rms")) == pytest.approx(0, abs=1e-6)
+    assert float(scale_loss([x], ids, 0, "rms", position0=True)) == pytest.approx(0, abs=1e-6)
     small = x.clone()
     small[0, 0] *= 0.25  # the first row's position 0 enters at a quarter of the typical scale
     small[:, 2] *= 4  # another token loud: the typical scale is their geometric mean over both rows
     typical = 4 ** (2 / 7)  # 7 typical tokens, 2 of them at log 4
     expected = (torch.tensor(0.25 / typical).log() ** 2 + torch.tensor(1 / typical).log() ** 2) / 2
-    assert float(position0_scale_loss([small], ids, 0, "rms")) == pytest.approx(float(expected), rel=1e-5)
+    assert float(scale_loss([small], ids, 0, "rms", position0=True)) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_position_0s_key_scale_reaches_the_key_projections_and_no_query():
@@ -115,7 +115,7 @@ def test_position_0s_key_scale_reaches_the_key_projections_and_no_query():
     inputs = keys.take()
     keys.remove()
     assert len(inputs) == 2 and inputs[0].shape == (2, 12, model.config.num_key_value_heads, 8)
-    position0_scale_loss(inputs, ids, 0, "rms").backward()
+    scale_loss(inputs, ids, 0, "rms", position0=True).backward()
     attn = [model.get_submodule(f"{architecture(model).layers}.{i}.self_attn") for i in (0, 1)]
     keys_grad = [float(a.k_proj.weight.grad.abs().sum()) for a in attn]
     assert min(keys_grad) > 0

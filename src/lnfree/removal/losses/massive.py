@@ -358,7 +358,7 @@ class NormInputs(Captured):
 
 
 def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int, kind: str,
-               form: str = "relative") -> torch.Tensor:
+               form: str = "relative", position0: bool = False) -> torch.Tensor:
     """Mean over norm inputs of the mean over tokens of (per-token scale / typical scale − 1)²
     (`form` "relative"), or of log(per-token scale / typical scale)² ("log", typical = the geometric mean).
 
@@ -367,28 +367,18 @@ def scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id
     (batch, positions, heads, head dim): one σ per norm). Relative, so every norm counts alike whatever its
     scale: it pulls outlier tokens (and position 0) towards the typical scale at every norm input,
     where the published auxiliary loss acts at the final norm only. The log form grows only with the
-    log of a runaway token's scale, so one such token cannot swamp a clipped gradient.
+    log of a runaway token's scale, so one such token cannot swamp a clipped gradient. `position0`: the log form
+    of position 0 alone, per row (and head): what one σ per norm would leave it off by once the norm is fixed.
     """
     total = torch.zeros((), device=input_ids.device)
     for x in inputs:
         scale = _scale_with_grad(x, kind)
-        if form == "log":  # against the geometric mean: one runaway token barely moves it
+        if form == "log" or position0:  # against the geometric mean: one runaway token barely moves it
             log_scale = scale.log()
-            total = total + ((log_scale - typical_scale(log_scale, input_ids, eot_token_id)) ** 2).mean()
+            excess = log_scale - typical_scale(log_scale, input_ids, eot_token_id)
+            total = total + ((excess[:, 0] if position0 else excess) ** 2).mean()
         else:
             total = total + ((scale / typical_scale(scale, input_ids, eot_token_id) - 1) ** 2).mean()
-    return total / max(1, len(inputs))
-
-
-def position0_scale_loss(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
-                         kind: str) -> torch.Tensor:
-    """Mean over norm inputs of the mean over rows (and heads) of log(position 0's scale / typical scale)², the
-    typical scale being the geometric mean over the other tokens (neither position 0 nor EOT) and every head:
-    what one σ per norm would leave position 0 off by once the norm is fixed."""
-    total = torch.zeros((), device=input_ids.device)
-    for x in inputs:
-        log_scale = _scale_with_grad(x, kind).log()
-        total = total + ((log_scale[:, 0] - typical_scale(log_scale, input_ids, eot_token_id)) ** 2).mean()
     return total / max(1, len(inputs))
 
 
@@ -425,23 +415,18 @@ class ScaleTail(BaseModel):
 
 def weighted_inputs(inputs: list[torch.Tensor], sources: list[nn.Module], kind: str) -> list[torch.Tensor]:
     """Each norm input times its norm's weight (centred first for LayerNorm): a fixed norm's output times
-    its σ, so that its RMS over tokens compares what the norm leaves its readers with."""
+    its σ, so that its RMS over tokens compares what the norm leaves its readers with. FSDP with a group per block
+    has sharded the weight again after the forward (a DTensor): it is gathered, its gradient on each process that
+    process's share of the average over processes, as FSDP averages every other gradient (DDP too)."""
     weighted = []
     for x, module in zip(inputs, sources, strict=True):
-        x = x.float()
+        x, weight = x.float(), module.weight
         if kind == "layer":
             x = x - x.mean(-1, keepdim=True)
-        weighted.append(x * _gathered(module.weight).float())
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+        weighted.append(x * weight.float())
     return weighted
-
-
-def _gathered(weight: torch.Tensor) -> torch.Tensor:
-    """A module's weight whole, read after its forward: FSDP with a group per block has sharded it again by then
-    (a DTensor). Its gradient on each process is then that process's share of the average over processes, as FSDP
-    averages every other gradient (DDP too)."""
-    if not isinstance(weight, DTensor):
-        return weight
-    return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
 
 
 def pieces(tail) -> list:

@@ -51,7 +51,6 @@ from lnfree.removal.losses.massive import (
     NormInputs,
     pieces,
     position0_log_gain,
-    position0_scale_loss,
     scale_loss,
     scale_tail_loss,
     tail_at,
@@ -217,7 +216,7 @@ class Objective:
             heads = scale_loss(self.head_inputs.take(), ids, eot, kind, train.scale_loss_form)
         key0 = torch.zeros_like(ce)
         if self.key_inputs is not None:
-            key0 = position0_scale_loss(self.key_inputs.take(), ids, eot, kind)
+            key0 = scale_loss(self.key_inputs.take(), ids, eot, kind, position0=True)
         silence = torch.zeros_like(ce)
         if self.mlp_outputs is not None:
             outputs = self.mlp_outputs.take()
