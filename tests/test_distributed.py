@@ -23,12 +23,7 @@ def test_two_process_run_freezes_identical_sigma_on_every_rank(run_config, tmp_p
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_two_process_family_run_freezes_identical_sigma(family, tmp_path):
-    from test_arch import family_run_config
-
-    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
-
-    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    two_processes_match_one(family_run_config(family, tokenizer, tmp_path, micro_batch_size=4), tmp_path)
+    two_processes_match_one(tiny_family_config(family, tmp_path), tmp_path)
 
 
 def test_two_process_adaptive_distilled_gradual_run_decides_identically_on_every_rank(run_config, tmp_path):
@@ -83,12 +78,7 @@ def test_fsdp_gemma3_run_with_the_robust_recipes_terms_takes_the_steps_of_a_ddp_
     # The Gemma recipe's terms (experiments/robust/gemma3.toml) squeezed into a tiny run: the tails at the norms'
     # inputs and outputs, position 0's tail and its MLPs, the margin, spike skipping, coverage with replay, mining
     # and one-token rows, the training-time ceiling, position 0's own σ.
-    from test_arch import family_run_config
-
-    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
-
-    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    config = family_run_config("gemma3", tokenizer, tmp_path, micro_batch_size=4)
+    config = tiny_family_config("gemma3", tmp_path)
     steps = config.train.max_steps
     stages = config.removal.schedule.model_dump(exclude_none=True)["stages"]
     stages[-1]["gap"] = 2  # ln_f, then position 0's own σ fades over 2 steps
@@ -123,17 +113,26 @@ def test_fsdp_per_block_run_averages_the_norm_weights_gradients_read_after_the_f
     # The tail hinge measured at the norms' outputs reads each norm's weight after the forward, where FSDP with a
     # group per block has sharded it again: gathered there, its gradient must be averaged over the processes as
     # FSDP averages the rest (summed, the weights end 1.7× off; averaged, measured within 1.6e-4 of DDP's).
-    from test_arch import family_run_config
-
-    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
-
-    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
-    config = with_overrides(family_run_config("gemma3", tokenizer, tmp_path, micro_batch_size=4), {
+    config = with_overrides(tiny_family_config("gemma3", tmp_path), {
         "train.distill_alpha": 0.0, "train.vector_lr_scale": 100.0,  # the norm weights move enough to compare
         "train.scale_tail": [{"ratio": 1.2, "start": 0, "measure": "output", "weight": 10.0}]})
     ddp, fsdp = (torch.tensor(run_two_processes(config, tmp_path / kind, kind)["weights"][0])
                  for kind in ("ddp", "fsdp-blocks"))
     torch.testing.assert_close(fsdp, ddp, rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("settings", [
+    {"train.neuron_gain": {"ratio": 1.5, "weight": 10.0, "start": 0, "project": True}},
+    {"train.local_growth": {"factor": 3.0, "limit": 1.0, "tokens": 8, "weight": 10.0, "start": 2}},
+], ids=["gain bound, projected", "local growth"])
+def test_fsdp_per_block_run_of_the_weight_space_terms_takes_the_steps_of_a_ddp_run(tmp_path, settings):
+    # Both read a block's MLP outside its forward: the gain bound its weights (and scales them after each step),
+    # the growth hinge re-runs the MLP. Under a group per block FSDP has sharded them again by then.
+    config = with_overrides(tiny_family_config("gemma3", tmp_path), {"train.distill_alpha": 0.0, **settings})
+    kinds = ("ddp", "fsdp", "fsdp-blocks")
+    ddp, *sharded = (torch.tensor(run_two_processes(config, tmp_path / kind, kind)["weights"][0]) for kind in kinds)
+    for weights in sharded:
+        torch.testing.assert_close(weights, ddp, rtol=2e-3, atol=1e-4)
 
 
 def test_fsdp_bf16_run_follows_the_ddp_run(run_config, tmp_path):
@@ -167,6 +166,16 @@ def test_two_process_remove_command_never_tears_down_with_gloo_threads_alive(run
     # A process that reaches teardown with gloo's worker threads alive can abort there (exit -6).
     alive = {f.name: json.loads(f.read_text())["gloo_threads"] for f in reports.iterdir()}
     assert all(not threads for threads in alive.values()), alive
+
+
+def tiny_family_config(family: str, tmp_path):
+    """A quick removal of every slot of a tiny `family` model on the tiny corpus, 4 sequences a micro-step."""
+    from test_arch import family_run_config
+
+    from lnfree.data.tiny import PRETRAIN_SEED, build_tokenizer, generate_documents
+
+    tokenizer = build_tokenizer(generate_documents(200, PRETRAIN_SEED))
+    return family_run_config(family, tokenizer, tmp_path, micro_batch_size=4)
 
 
 def run_two_processes(config, tmp_path, sharding: str = "ddp") -> dict:

@@ -45,10 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
 from lnfree.fixedscale.functional import second_moment
+from lnfree.removal.losses.sharded import whole
 from lnfree.removal.mining import Mining
 
 #: Mixes the step into the rows' seed (any fixed number unlikely to collide with a user's seed).
@@ -180,11 +180,6 @@ def coverage_hinge(inputs: list[torch.Tensor], typical: list[torch.Tensor], kind
     return total / inputs[0].shape[0]
 
 
-def _whole(norm: torch.Tensor) -> torch.Tensor:
-    """A norm of FSDP's sharded gradients (a DTensor of partial norms) reduced to a plain tensor; else `norm`."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 class HeldGradients:
     """The text's gradients, held apart while later rows (coverage, the stability margin) backward their own
     into the parameters; `add_back` then caps those and adds the text's back.
@@ -207,8 +202,8 @@ class HeldGradients:
         grads = [p.grad for p in self.params]
         gained = grads if not self.in_place else [
             g - t if g is not None and t is not None else g for g, t in zip(grads, self.text)]
-        text = _whole(get_total_norm([t for t in self.text if t is not None]))
-        ratio = _whole(get_total_norm([g for g in gained if g is not None])) / text.clamp_min(1e-30)
+        text = whole(get_total_norm([t for t in self.text if t is not None]))
+        ratio = whole(get_total_norm([g for g in gained if g is not None])) / text.clamp_min(1e-30)
         factor = None if share is None else (share / ratio.clamp_min(1e-30)).clamp(max=1.0)
         for p, t, g, now in zip(self.params, self.text, gained, grads):
             if g is not None and factor is not None:

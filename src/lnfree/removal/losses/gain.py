@@ -35,6 +35,7 @@ from torch import nn
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
 from lnfree.fixedscale.norms import FixedScaleNorm
+from lnfree.removal.losses.sharded import gathered, scale_
 
 
 class NeuronGain(BaseModel):
@@ -64,8 +65,9 @@ class GainWeights:
             self.blocks.append(([model.get_submodule(p) for p in inputs], model.get_submodule(output), norm))
 
     def gains(self) -> list[torch.Tensor]:
-        """Per block, each neuron's gain (fp32, differentiable in the weights)."""
-        return [neuron_gains([in_out(p.weight, self.conv1d).t() for p in inputs], in_out(output.weight, self.conv1d),
+        """Per block, each neuron's gain (fp32, differentiable in the weights, gathered where FSDP shards them)."""
+        return [neuron_gains([in_out(gathered(p.weight), self.conv1d).t() for p in inputs],
+                             in_out(gathered(output.weight), self.conv1d),
                              self.norm_weight(norm))
                 for inputs, output, norm in self.blocks]
 
@@ -74,7 +76,8 @@ class GainWeights:
         (Gemma's weight − 1)."""
         if norm is None:
             return None
-        return norm.weight if isinstance(norm, FixedScaleNorm) else norm.weight + self.offset
+        weight = gathered(norm.weight)
+        return weight if isinstance(norm, FixedScaleNorm) else weight + self.offset
 
 
 def neuron_gains(rows: list[torch.Tensor], out: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
@@ -106,6 +109,5 @@ def project_gains(weights: GainWeights, ratio: float) -> None:
     """Scale the output row of every neuron whose gain exceeds `ratio` × its block's median gain so that its
     gain is that bound (what it writes scales by the same factor for every input), in place."""
     for gain, (_, output, _) in zip(weights.gains(), weights.blocks, strict=True):
-        factor = ((ratio * gain.median()) / gain).clamp(max=1.0)
-        rows = in_out(output.weight, weights.conv1d)  # (neurons, hidden), a view of the weight
-        rows.mul_(factor.to(rows.dtype)[:, None])
+        factor = ((ratio * gain.median()) / gain).clamp(max=1.0).to(output.weight.dtype)
+        scale_(output.weight, factor[:, None] if weights.conv1d else factor[None, :])  # each neuron's output row

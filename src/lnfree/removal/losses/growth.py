@@ -34,6 +34,7 @@ from torch import nn
 from lnfree.arch import architecture
 from lnfree.fixedscale.functional import centred_times, rms_times
 from lnfree.removal.losses.massive import Captured
+from lnfree.removal.losses.sharded import call_gathered, gathered
 
 
 class LocalGrowth(BaseModel):
@@ -61,19 +62,20 @@ class MlpSublayers(Captured):
         self.handles = [module.register_forward_pre_hook(self.keep_input) for module in self.modules]
 
     def added(self, block: int, h: torch.Tensor) -> torch.Tensor:
-        """M(h): what block `block`'s MLP sublayer adds to the residual `h`, its norms fixed at their σ."""
+        """M(h): what block `block`'s MLP sublayer adds to the residual `h`, its norms fixed at their σ (called
+        outside the block's forward: its weights gathered where FSDP shards them)."""
         pre, mlp, post = self.blocks[block]
-        out = mlp(fixed_form(pre, h))
+        out = call_gathered(mlp, fixed_form(pre, h))
         return out if post is None else fixed_form(post, out)
 
 
 def fixed_form(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An installed norm (`lnfree.fixedscale.norms.FixedScaleNorm`) as it is once fixed: its linear part over
     its σ, whatever its state now (no special σ: the tokens measured are past position 0)."""
-    sigma = norm.state.sigma
+    sigma, weight = norm.state.sigma, gathered(norm.weight)
     if norm.state.kind == "rms":
-        return rms_times(x, norm.weight, sigma)
-    return centred_times(x, norm.weight, norm.bias, sigma)
+        return rms_times(x, weight, sigma)
+    return centred_times(x, weight, None if norm.bias is None else gathered(norm.bias), sigma)
 
 
 def strided(h: torch.Tensor, n: int) -> torch.Tensor:

@@ -30,13 +30,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
 
 from lnfree.arch import architecture
 from lnfree.arch.base import in_out
 from lnfree.fixedscale.functional import second_moment
 from lnfree.fixedscale.norms import SplitNorm
 from lnfree.errors import UsageError
+from lnfree.removal.losses.sharded import gathered
 
 #: The run-folder file that records the neurons a run damps (read back on resume).
 NEURONS_FILE = "massive_neurons.json"
@@ -415,16 +415,13 @@ class ScaleTail(BaseModel):
 
 def weighted_inputs(inputs: list[torch.Tensor], sources: list[nn.Module], kind: str) -> list[torch.Tensor]:
     """Each norm input times its norm's weight (centred first for LayerNorm): a fixed norm's output times
-    its σ, so that its RMS over tokens compares what the norm leaves its readers with. FSDP with a group per block
-    has sharded the weight again after the forward (a DTensor): it is gathered, its gradient on each process that
-    process's share of the average over processes, as FSDP averages every other gradient (DDP too)."""
+    its σ, so that its RMS over tokens compares what the norm leaves its readers with (the weight read after the
+    forward: `gathered` where FSDP has sharded it again)."""
     weighted = []
     for x, module in zip(inputs, sources, strict=True):
-        x, weight = x.float(), module.weight
+        x, weight = x.float(), gathered(module.weight)
         if kind == "layer":
             x = x - x.mean(-1, keepdim=True)
-        if isinstance(weight, DTensor):
-            weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
         weighted.append(x * weight.float())
     return weighted
 
