@@ -139,6 +139,31 @@ def test_cache_is_reused_and_keyed_by_source(tokenizer, tmp_path):
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
+def test_two_runs_filling_one_cache_at_once_both_finish(tokenizer, tmp_path, monkeypatch):
+    # A removal and its control started side by side tokenise the same cache folder at once. Replayed here in one
+    # process: the second preparation runs to its end just before the first moves its token file into place.
+    import lnfree.data.documents as documents
+
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    replace, calls = documents.os.replace, []
+
+    def interleaved(source, target):
+        calls.append(target)
+        if len(calls) == 1:
+            inner = prepare_data(config(tmp_path / "a.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+            assert inner.train.size
+        replace(source, target)
+
+    monkeypatch.setattr(documents.os, "replace", interleaved)
+    first = prepare_data(config(tmp_path / "a.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    monkeypatch.undo()
+    assert len(calls) == 6  # train, held-out and meta of each preparation
+    again = prepare_data(config(tmp_path / "a.jsonl", tmp_path), tokenizer, 8, len(tokenizer))
+    assert np.array_equal(first.train, again.train) and np.array_equal(first.held_out, again.held_out)
+    (folder,) = (tmp_path / "cache").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["held_out.bin", "meta.json", "train.bin"]
+
+
 def test_step_batches_are_a_pure_function_of_the_step_and_split_over_ranks():
     sequences = np.arange(40 * 4).reshape(40, 4)
     one = StepBatches(sequences, micro_batch_size=2, accumulation=4, world_size=1, seed=3)

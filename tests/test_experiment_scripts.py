@@ -93,6 +93,17 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     assert copying[0] > max(i for i, c in enumerate(commands) if c.startswith("lnfree stress"))
     temperature = [c for c in commands if "experiments/robust/temperature.py" in c]
     assert len(temperature) == 1 and "--labels vanilla ln_free original" in temperature[0]
+    # each run's end chosen on the validation half before anything reads the test half, and then measured
+    choose = [i for i, c in enumerate(commands) if "experiments/robust/choose_step.py" in c]
+    assert [commands[i].split("choose_step.py ")[1].split()[0] for i in choose] == [
+        "runs/robust/gemma3/ln_free", "runs/robust/gemma3/vanilla"]
+    assert all("--dataset realtext-val" in commands[i] for i in choose)
+    assert "--export" in commands[choose[0]] and "--export" not in commands[choose[1]]
+    test_eval = next(i for i, c in enumerate(commands) if c.startswith("lnfree eval"))
+    assert max(choose) < test_eval and "--dataset realtext " in commands[test_eval]
+    assert "gemma3/vanilla/checkpoints/CHOSEN runs/robust/gemma3/ln_free/checkpoints/CHOSEN" in commands[test_eval]
+    verify = next(c for c in commands if c.startswith("lnfree verify"))
+    assert verify.split()[2] == commands[choose[0]].split("--export ")[1].split()[0]
 
 
 def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_before_its_first(tmp_path):

@@ -19,6 +19,7 @@ from lnfree.arch import architecture
 from lnfree.removal.config import TrainConfig, with_overrides
 from lnfree.removal.losses.distill import kl_to_teacher
 from lnfree.removal.losses.objective import TAILS, TERMS, Objective
+from lnfree.removal.runtime import RECOMPILE_LIMIT
 from lnfree.removal.train import run
 from lnfree.removal.losses import vocab_loss as vocab_module
 from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, compiles_vocab_terms, logits_loss, vocab_loss
@@ -232,7 +233,9 @@ def test_the_objective_with_the_chunked_loss_gives_the_plain_terms_and_gradients
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_run_with_the_chunked_or_compiled_loss_logs_the_plain_runs_losses(run_config, tmp_path):
+def test_a_run_with_the_chunked_or_compiled_loss_logs_the_plain_runs_losses(run_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, whatever ran before
+    monkeypatch.setattr(vocab_module._Compiled, "terms", None)  # compiled afresh in this process
     config = with_overrides(run_config(max_steps=4, distill_alpha=0.5, eval_every=0), {"removal.schedule": {
         "stages": [{"kind": kind, "start": 1, "gap": 0} for kind in ("ln_2", "ln_1qk", "ln_1v", "ln_f")]}})
     logs = []
@@ -242,6 +245,7 @@ def test_a_run_with_the_chunked_or_compiled_loss_logs_the_plain_runs_losses(run_
         logs.append([json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()
                      if '"loss"' in line])
     assert len(logs[0]) == 4
+    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT  # each set of terms may keep its own graph
     for other in logs[1:]:
         for a, b in zip(logs[0], other):
             for term in ("loss", "ce", "kl", "aux", "grad_norm"):

@@ -7,8 +7,11 @@
 # 1. the removal (the config) and its vanilla control (the same config with --mode vanilla: the same
 #    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each; both
 #    choose nothing on the test split;
-# 2. lnfree verify on the export;
-# 3. lnfree eval of original, vanilla and LN-free on the whole realtext test split (block-bootstrap CIs);
+# 2. each run's end chosen on the whole validation half (experiments/robust/choose_step.py: the lowest CE among its
+#    bounded checkpoints from the recovery on, the same rule for both; the two side by side), the LN-free one
+#    exported; every later step measures the chosen checkpoints;
+# 3. lnfree verify on that export, and lnfree eval of original, vanilla and LN-free on the whole realtext test
+#    split (block-bootstrap CIs): the first and only time anything reads the test half;
 # 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep (the
 #    two fine-tuned models side by side);
 # 5. the copying probe of the three (experiments/robust/induction.py: a repeated span of random ids), and each
@@ -23,7 +26,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
 name=${1:-}
 case "$name" in
-  gemma3) model=gemma3-270m ;;
+  gemma3) model=gemma3-270m choose_from=1450 ;;  # the checkpoints after the mining at 1400 (gemma3.toml's keep_steps)
   *) die "the argument must be a model of experiments/robust/ (gemma3), got '$name'" ;;
 esac
 config=experiments/robust/$name.toml
@@ -61,12 +64,30 @@ step_done() {
 train_ln_free() { removal_run "$runs/ln_free"; }
 train_vanilla() { removal_run "$runs/vanilla" --mode vanilla; }
 side_by_side "$runs" train_ln_free train_vanilla
-# The measurements read the run folders (lnfree's exact form of the last checkpoint), so that a model
-# whose export was refused is measured too; verify checks the export against it when there is one.
-models=("$model" "$runs/vanilla" "$runs/ln_free")
+# Each run's end checkpoint, chosen on the validation half (choice/ARM/choice.json); the chosen LN-free one exported.
+chosen_export=$runs/chosen-export
+choose_arm() {  # choose_arm ARM EXTRA_ARGS...
+  local arm=$1
+  shift
+  run "$out/choice/$arm" "$(python_bin)" experiments/robust/choose_step.py "$runs/$arm" --from-step "$choose_from" \
+    --dataset realtext-val --context "$context" --batch-size 4 --out "$out/choice/$arm" "$@"
+}
+choose_ln_free() { choose_arm ln_free --export "$chosen_export"; }
+choose_vanilla() { choose_arm vanilla; }
+if ! step_done "$out/choice/ln_free/choice.json" || ! step_done "$out/choice/vanilla/choice.json"; then
+  side_by_side "$runs" choose_ln_free choose_vanilla
+fi
+chosen() {  # chosen ARM: the checkpoint chosen for ARM
+  local file=$REPO_ROOT/$out/choice/$1/choice.json
+  if [[ $DRY_RUN == 1 && ! -f $file ]]; then echo "$runs/$1/checkpoints/CHOSEN"; return 0; fi
+  "$(python_bin)" -c "import json, sys; print(json.load(open(sys.argv[1]))['chosen'])" "$file"
+}
+# The measurements read the chosen checkpoints (lnfree's exact form), so that a model whose export was refused
+# is measured too; verify checks the export against it when there is one.
+models=("$model" "$(chosen vanilla)" "$(chosen ln_free)")
 labels=(original vanilla ln_free)
-if [[ -d $REPO_ROOT/$runs/ln_free/export || $DRY_RUN == 1 ]]; then
-  step_done "$out/verify.json" || run "$out" lnfree verify "$runs/ln_free/export" --out "$out/verify.json" || true
+if [[ -d $REPO_ROOT/$chosen_export || $DRY_RUN == 1 ]]; then
+  step_done "$out/verify.json" || run "$out" lnfree verify "$chosen_export" --out "$out/verify.json" || true
 fi
 step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}" --labels "${labels[@]}" \
   --dataset realtext --context "$context" --batch-size 4 --out "$out/eval" --overwrite
@@ -93,7 +114,7 @@ fi
 step_done "$out/copying/copying.json" || run "$out/copying" "$(python_bin)" experiments/robust/induction.py \
   "${models[@]}" --labels "${labels[@]}" --out "$out/copying/copying.md" --json "$out/copying/copying.json"
 step_done "$out/temperature/results.json" || run "$out/temperature" "$(python_bin)" experiments/robust/temperature.py \
-  "$runs/vanilla" "$runs/ln_free" "$model" --labels vanilla ln_free original --context "$context" --out "$out/temperature"
+  "${models[1]}" "${models[2]}" "$model" --labels vanilla ln_free original --context "$context" --out "$out/temperature"
 step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze residual --models "${models[@]}" \
   --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \
   --out "$out/analysis" --overwrite

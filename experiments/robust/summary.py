@@ -3,7 +3,8 @@
     python experiments/robust/summary.py --runs runs/robust/gemma3 --out experiments/results/gemma3-270m/robust \
         --command "experiments/robust/run.sh gemma3"
 
-Reads RUNS/ln_free and RUNS/vanilla (log.jsonl, run config, the removal state of the latest checkpoint),
+Reads RUNS/ln_free and RUNS/vanilla (log.jsonl, run config), OUT/choice/{ln_free,vanilla}/choice.json (each run's
+end checkpoint chosen on the validation half, experiments/robust/choose_step.py: its removal state, its export),
 OUT/eval/summary.json (test CE on the whole test split, block-bootstrap CI of the difference),
 OUT/stress/stress.json (`lnfree stress`), OUT/copying/copying.json (the copying probe,
 experiments/robust/induction.py), OUT/temperature/results.json (calibration on the validation half,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from lnfree.evaluate.results import ce_headline
 from lnfree.removal.records import cpu_hours, read_records
-from lnfree.removal.layout import LOG, RUN_CONFIG, TRAINER_STATE, latest_checkpoint
+from lnfree.removal.layout import LOG, RUN_CONFIG, TRAINER_STATE
 
 STRESS_FIELDS = ("test_nonfinite_sequences", "test_tokens_over_30_nats", "test_overflow_tokens", "repeated_overflow",
                  "repeated_probes", "vocab_overflow", "vocab_covered", "vocab_size", "max_growth_vs_first",
@@ -49,6 +50,14 @@ def calibration(out: Path) -> dict:
             "gap": dict(result["gaps"]["ln_free"]["all"])}
 
 
+def choices(out: Path) -> dict:
+    """Per run, the end checkpoint chosen on the validation half and every candidate's CE there (choose_step.py)."""
+    found = {arm: _json(out / "choice" / arm / "choice.json") for arm in ("ln_free", "vanilla")}
+    return {arm: {"step": c["chosen_step"], "checkpoint": c["chosen"], "bounded_on_validation": c["bounded"],
+                  "dataset": c["dataset"], "validation_ce": {str(r["step"]): r["ce"] for r in c["candidates"]}}
+            for arm, c in found.items()}
+
+
 def machine(run: Path) -> dict:
     """The precision a run resolved to and its CPU, from its start record, and the CPUs it resumed on, from its
     resume records (None and none in a log that predates these records)."""
@@ -65,15 +74,18 @@ def main() -> None:
     parser.add_argument("--command", required=True, help="the command that reproduces the model")
     args = parser.parse_args()
     run, control = args.runs / "ln_free", args.runs / "vanilla"
-    norms = _json(latest_checkpoint(run) / TRAINER_STATE)["removal_state"]
+    chosen = choices(args.out)
+    choice = _json(args.out / "choice" / "ln_free" / "choice.json")
+    norms = _json(Path(choice["chosen"]) / TRAINER_STATE)["removal_state"]
     config = _json(run / RUN_CONFIG)
     stress = _json(args.out / "stress" / "stress.json")
     verify = json.loads((args.out / "verify.json").read_text()) if (args.out / "verify.json").is_file() else None
-    refused = json.loads((run / "summary.json").read_text()).get("export_refused")
+    refused = choice.get("export_refused")
     summary = {
         "model": config["model"],
         "norms_fixed": sum(state.get("fixed", False) for state in norms.values()),
         "norms_total": len(norms),
+        "chosen": chosen,
         "test_ce": ce_headline(_json(args.out / "eval" / "summary.json"), "ln_free"),
         "stress": {label: {k: record[k] for k in STRESS_FIELDS} for label, record in stress["models"].items()},
         "stress_settings": stress["settings"] | {"repeated_probe_ids": len(stress["settings"]["repeated_probe_ids"])
@@ -81,7 +93,7 @@ def main() -> None:
                                                  else stress["settings"]["repeated_probe_ids"]},
         "copying": _json(args.out / "copying" / "copying.json"),
         "calibration": calibration(args.out),
-        "export": None if refused else str(run / "export"),
+        "export": choice.get("export"),
         **({"export_refused": refused} if refused else {}),
         "verify_ok": None if verify is None else verify["ok"],
         "runaway_rows_in_verify": None if verify is None else len(verify["probe"]["runaway_rows"]),

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,15 @@ def _local_dataset(path: Path, config: DataConfig):
     raise DataError(f"unsupported data file {path} (use .txt, .jsonl, .parquet, .npy or a dataset folder)")
 
 
+def _own_temporary(path: Path) -> Path:
+    """A new file beside `path` that only this call writes, to `os.replace` onto it when complete: two runs
+    started side by side fill the same cache at once, and a temporary name they shared was renamed away
+    under the second."""
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    os.close(handle)
+    return Path(name)
+
+
 def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, dtype) -> dict:
     """Tokenise `dataset` into the flat token file `out`; returns its token, document and EOT counts."""
     if "input_ids" in dataset.column_names:
@@ -181,7 +191,7 @@ def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, d
             remove_columns=dataset.column_names, desc="tokenising",
         )
     total = int(np.sum(ids["n"], dtype=np.int64))
-    tmp = out.with_suffix(".tmp")
+    tmp = _own_temporary(out)
     stream = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(total, 1),))
     position = eots = 0
     for batch in ids.iter(batch_size=1024):
@@ -300,7 +310,9 @@ def prepare_data(config: DataConfig, tokenizer, context_length: int, vocab_size:
             name: _write_tokens(docs, tokenizer, eot, config, folder / f"{name}.bin", dtype)
             for name, docs in (("train", train_docs), ("held_out", held_out_docs))
         }
-        meta_path.write_text(json.dumps({"key": key_fields, "stats": stats, "dtype": np.dtype(dtype).name}, indent=1))
+        tmp = _own_temporary(meta_path)  # meta.json marks the folder complete: it appears whole or not at all
+        tmp.write_text(json.dumps({"key": key_fields, "stats": stats, "dtype": np.dtype(dtype).name}, indent=1))
+        os.replace(tmp, meta_path)
     meta = json.loads(meta_path.read_text())
     streams = {
         name: np.memmap(folder / f"{name}.bin", dtype=meta["dtype"], mode="r", shape=(max(s["tokens"], 1),))[: s["tokens"]]

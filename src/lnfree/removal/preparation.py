@@ -17,6 +17,7 @@ from lnfree.arch import architecture
 from lnfree.removal.config import ConfigError, RunConfig
 from lnfree.removal.losses.distill import load_teacher
 from lnfree.removal.muon import MuonWithAdamW, muon_matrices
+from lnfree.removal.runtime import allow_recompiles
 from lnfree.removal.precision import attention_in_fp32, auto_bf16, cpu_has_native_bf16, use_fp32_attention
 
 logger = logging.getLogger("lnfree")
@@ -69,7 +70,7 @@ def compile_blocks(model: nn.Module, **options) -> None:
     one per block. Each graph is guarded on the norms' Python mirrors, so switching a slot
     compiles (or reuses) the graph of the new state and never runs a stale one.
     """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_recompiles()
     for block in model.get_submodule(architecture(model).layers):
         block.compile(**options)
 

@@ -1,4 +1,4 @@
-"""Process-level settings for training on a CPU.
+"""Process-level settings for training: the allocator on a CPU, and how many graphs torch.compile keeps.
 
 glibc maps every allocation above 32 MB (logits over a large vocabulary, their gradients, the
 distillation's softmaxes) fresh from the kernel and unmaps it on free, so every training step
@@ -10,6 +10,12 @@ vocabularies the two are within noise (`benchmarks/results/README.md`).
 from __future__ import annotations
 
 import ctypes
+
+import torch
+
+#: graphs torch.compile keeps per compiled function (dynamo's default is 8): a block has one per state of its norms,
+#: the vocabulary loss one per set of terms a micro-step asks for; past the limit dynamo runs the function eagerly
+RECOMPILE_LIMIT = 64
 
 
 def steady_allocator() -> bool:
@@ -28,3 +34,8 @@ def steady_allocator() -> bool:
     # back, and faulted it in again the next step (one Gemma 3 270M run: 262,145 faults, 0.5–0.7 CPU-s a step).
     return all(libc.mallopt(option, value) == 1 for option, value in (
         (m_mmap_max, 0), (m_trim_threshold, -1), (m_top_pad, 2**30)))
+
+
+def allow_recompiles() -> None:
+    """Let every compiled function keep up to `RECOMPILE_LIMIT` graphs (a higher limit set elsewhere stays)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

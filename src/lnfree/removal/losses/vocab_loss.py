@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from lnfree.errors import UsageError
 from lnfree.removal.frozen_head import kept_transposed, product_backward
 from lnfree.removal.losses.distill import IGNORE, KL_CHUNK_TOKENS
+from lnfree.removal.runtime import allow_recompiles
 
 
 #: Vocabularies from this size on compile their chunk terms where `train.compile_vocab_loss` is "auto".
@@ -273,6 +274,7 @@ def _terms(logits: torch.Tensor, labels: torch.Tensor | None, target: torch.Tens
     if spec.compiled and not _Compiled.failed:
         try:
             if _Compiled.terms is None:
+                allow_recompiles()
                 _Compiled.terms = torch.compile(_fused_terms)
             return _Compiled.terms(logits, labels, target, spec.temperature, scales, grad_dtype)
         except Exception as error:  # a missing or failing compiler: the eager kernels compute the same terms

@@ -1,0 +1,119 @@
+"""Choose a run's end checkpoint on the validation half (issue 37: choices on validation, the number on test).
+
+Within the last fifty steps at the learning-rate floor a removal's CE on the whole validation half moved by up to
+0.09 nats while its control's moved by less than 0.01 (the forty-sixth session's pilot): one end step carries
+that swing into the test number. This script evaluates every kept checkpoint of one run from `--from-step` on
+(`lnfree eval`, fp32, the exact fixed-scale form, no scale ceiling) on the whole validation half and chooses the
+one with the lowest mean CE among those that are bounded there (every CE finite, none above 30 nats); when none
+is, the run's last checkpoint, marked unbounded. The LN-free run and its control are chosen by the same rule,
+each on its own CE (never on the gap):
+
+    python experiments/robust/choose_step.py RUN --from-step 1450 [--dataset realtext-val] [--context 64] \
+        --out DIR [--export EXPORT_DIR]
+
+DIR gets the evaluation (`lnfree eval`'s files) and choice.json / choice.md; `--export` also writes the chosen
+checkpoint of a removal as a plain transformers model (refused, and recorded so, where it overflows on a probe
+row: `lnfree export`'s rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from lnfree.removal.layout import checkpoint_step, checkpoints
+
+CE_LIMIT = 30.0  # nats: the issue's bound on any token's CE, as `lnfree stress` counts it
+
+
+def candidates(run: Path, from_step: int) -> list[Path]:
+    """The run's complete checkpoints at or after `from_step`, oldest first."""
+    complete, _ = checkpoints(run)
+    found = [c for c in complete if checkpoint_step(c) >= from_step]
+    if not found:
+        raise SystemExit(f"{run} has no complete checkpoint at or after step {from_step} "
+                         f"(it has {[checkpoint_step(c) for c in complete]})")
+    return found
+
+
+def choose(rows: list[dict]) -> dict:
+    """The row with the lowest mean CE among the bounded ones (finite, no token above `CE_LIMIT`); else the last
+    row. Each row: step, checkpoint, ce, tokens_over_limit. Returns the chosen row with `bounded`."""
+    bounded = [r for r in rows if math.isfinite(r["ce"]) and r["tokens_over_limit"] == 0]
+    if not bounded:
+        return rows[-1] | {"bounded": False}
+    return min(bounded, key=lambda r: (r["ce"], -r["step"])) | {"bounded": True}
+
+
+def evaluated(run: Path, from_step: int, args: argparse.Namespace) -> list[dict]:
+    """Evaluate each candidate checkpoint of `run` on `args.dataset`; the evaluation is written to `args.out`."""
+    from lnfree.evaluate import evaluate, write_report
+
+    found = candidates(run, from_step)
+    labels = [f"step_{checkpoint_step(c)}" for c in found]
+    report = evaluate([str(c) for c in found], args.dataset, labels=labels, dtype="fp32", device=args.device,
+                      context=args.context, batch_size=args.batch_size, n_sequences=args.n_sequences,
+                      progress=True, threshold=CE_LIMIT, pairwise=False)
+    write_report(report, args.out, overwrite=True)
+    summary = report.to_dict()
+    by_label = {m["label"]: m for m in summary["models"]}
+    return [{"step": checkpoint_step(c), "checkpoint": str(c), "ce": by_label[label]["ce"]["mean"],
+             "tokens_over_limit": by_label[label]["tokens_above_threshold"]} for c, label in zip(found, labels)]
+
+
+def export_chosen(checkpoint: str, out: Path) -> dict:
+    """Export a removal's chosen checkpoint (`lnfree export`'s rule); {'export': path} or {'export_refused': why}."""
+    from lnfree.forms.export import ExportError, load_checkpoint, write_export
+
+    model, tokenizer, cfg = load_checkpoint(checkpoint)
+    if cfg.removal.mode != "remove":
+        raise SystemExit(f"{checkpoint} is a vanilla-control run: nothing to export")
+    try:
+        write_export(model, tokenizer, out, {"run_config": json.loads(cfg.model_dump_json()),
+                                             "checkpoint": str(checkpoint)}, overwrite=True)
+    except ExportError as err:
+        return {"export_refused": str(err)}
+    return {"export": str(out)}
+
+
+def table(choice: dict) -> str:
+    """choice.md: each candidate's validation CE, the chosen one marked."""
+    lines = [f"# {choice['run']}: the end checkpoint chosen on {choice['dataset']}", "",
+             f"Rule: {choice['rule']}", "", "| step | mean CE | tokens > 30 nats | |", "|---|---|---|---|"]
+    for row in choice["candidates"]:
+        mark = "**chosen**" if row["step"] == choice["chosen_step"] else ""
+        lines.append(f"| {row['step']} | {row['ce']:.4f} | {row['tokens_over_limit']} | {mark} |")
+    if not choice["bounded"]:
+        lines += ["", "No candidate is bounded on this split: the last checkpoint is kept."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a run folder (lnfree remove)")
+    parser.add_argument("--from-step", type=int, required=True, help="the earliest checkpoint that may be chosen")
+    parser.add_argument("--dataset", default="realtext-val", help="where to choose: never the split that is reported")
+    parser.add_argument("--context", type=int, default=None)
+    parser.add_argument("--n-sequences", type=int, default=None, help="default: the whole split")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--export", type=Path, help="also export the chosen checkpoint (a removal) here")
+    args = parser.parse_args()
+    rows = evaluated(args.run, args.from_step, args)
+    chosen = choose(rows)
+    choice = {"run": str(args.run), "dataset": args.dataset, "from_step": args.from_step,
+              "rule": f"the lowest mean CE among the checkpoints with every CE finite and none above {CE_LIMIT:g} "
+                      "nats; else the last", "candidates": rows,
+              "chosen_step": chosen["step"], "chosen": chosen["checkpoint"], "bounded": chosen["bounded"]}
+    if args.export is not None:
+        choice.update(export_chosen(chosen["checkpoint"], args.export))
+    (args.out / "choice.json").write_text(json.dumps(choice, indent=1) + "\n")
+    (args.out / "choice.md").write_text(table(choice))
+    print(table(choice))
+
+
+if __name__ == "__main__":
+    main()

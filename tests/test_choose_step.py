@@ -1,0 +1,109 @@
+"""experiments/robust/choose_step.py: a run's end checkpoint chosen on validation CE, among bounded checkpoints only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lnfree.evaluate import evaluate
+from lnfree.removal.train import run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "robust" / "choose_step.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("choose_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(step: int, ce: float, over: int = 0) -> dict:
+    return {"step": step, "checkpoint": f"c/step_{step}", "ce": ce, "tokens_over_limit": over}
+
+
+def test_the_lowest_bounded_ce_is_chosen_and_an_unbounded_run_keeps_its_last_checkpoint():
+    choose = _script().choose
+    rows = [_row(1450, 3.30), _row(1500, 3.10, over=1), _row(1550, math.nan), _row(1551, 3.20)]
+    assert choose(rows) == rows[3] | {"bounded": True}  # 1500 is lower but has a token above 30 nats
+    assert choose(rows[:2]) == rows[0] | {"bounded": True}
+    assert choose(rows[1:3]) == rows[2] | {"bounded": False}
+    assert choose([_row(1500, 3.1), _row(1551, 3.1)])["step"] == 1551  # a tie: the later checkpoint
+
+
+def _summary_script():
+    spec = importlib.util.spec_from_file_location("robust_summary", SCRIPT.parent / "summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_config, tmp_path, monkeypatch):
+    script = _script()
+    finished = run(run_config(max_steps=12, save_every=3), progress=False)
+    with pytest.raises(SystemExit, match="no complete checkpoint at or after step 13"):
+        script.candidates(finished.output_dir, 13)
+    out = tmp_path / "results" / "choice" / "ln_free"
+    monkeypatch.setattr("sys.argv", ["choose_step.py", str(finished.output_dir), "--from-step", "6", "--dataset", "tiny",
+                                     "--context", "32", "--n-sequences", "8", "--batch-size", "4", "--device", "cpu",
+                                     "--out", str(out), "--export", str(tmp_path / "export")])
+    script.main()
+    choice = json.loads((out / "choice.json").read_text())
+    rows = choice["candidates"]
+    assert [r["step"] for r in rows] == [6, 9, 12] and choice["dataset"] == "tiny"
+    assert (out / "summary.json").is_file() and "**chosen**" in (out / "choice.md").read_text()  # lnfree eval's files too
+    # the same numbers as a separate evaluation of one checkpoint alone
+    alone = evaluate([rows[1]["checkpoint"]], "tiny", labels=["alone"], device="cpu", context=32, n_sequences=8,
+                     batch_size=4).to_dict()["models"][0]["ce"]["mean"]
+    assert rows[1]["ce"] == pytest.approx(alone, abs=1e-5)
+    assert len({round(r["ce"], 4) for r in rows}) == 3  # the steps differ: a choice was made
+    best = min(rows, key=lambda r: r["ce"])
+    assert choice["bounded"] and (choice["chosen_step"], choice["chosen"]) == (best["step"], best["checkpoint"])
+    assert choice["export"] == str(tmp_path / "export")
+    record = json.loads((tmp_path / "export" / "lnfree_removal.json").read_text())
+    assert record["fully_removed"] and record["checkpoint"] == choice["chosen"]
+    from transformers import GPT2LMHeadModel
+
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    assert torch.isfinite(plain(input_ids=torch.arange(20)[None]).logits).all()
+    # summary.json reads both arms' choices (here the same run twice)
+    (out.parent / "vanilla").mkdir()
+    (out.parent / "vanilla" / "choice.json").write_text((out / "choice.json").read_text())
+    chosen = _summary_script().choices(tmp_path / "results")
+    assert chosen["ln_free"] == chosen["vanilla"] == {
+        "step": best["step"], "checkpoint": best["checkpoint"], "bounded_on_validation": True, "dataset": "tiny",
+        "validation_ce": {str(r["step"]): r["ce"] for r in rows}}
+
+
+def _eval_table(folder: Path, label: str, ce) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = "".join(f"{i},63,{c},0,0,0,0\n" for i, c in enumerate(ce))
+    (folder / f"{label}.csv").write_text("sequence,scored_tokens,mean_ce,median_ce,max_ce,tokens_above_threshold,"
+                                         "mean_entropy\n" + rows)
+    return f"{folder}:{label}"
+
+
+def test_a_step_better_on_every_document_is_chosen_on_either_part_and_its_gain_holds_on_the_other(tmp_path):
+    spec = importlib.util.spec_from_file_location("selection_transfer", SCRIPT.parent / "selection_transfer.py")
+    transfer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(transfer)
+    rng = torch.Generator().manual_seed(0)
+    base = 3 + torch.rand(200, generator=rng)  # documents differ far more than the steps do
+    noise = lambda: 0.01 * torch.randn(200, generator=rng)  # noqa: E731
+    removal = transfer.arm([f"10={_eval_table(tmp_path / 'a', 's10', (base + 0.10 + noise()).tolist())}",
+                            f"20={_eval_table(tmp_path / 'a', 's20', (base + 0.20 + noise()).tolist())}"])
+    control = transfer.arm([f"10={_eval_table(tmp_path / 'b', 's10', (base + noise()).tolist())}",
+                            f"20={_eval_table(tmp_path / 'b', 's20', (base + 0.01 + noise()).tolist())}"])
+    result = transfer.transfer(removal, control, splits=50, block=10, seed=0)
+    assert result["chosen_on_whole"] == {"removal": 10, "control": 10}
+    assert result["picks_removal/control"] == {"10/10": 50}
+    assert abs(result["held_out_gain"]["mean"] - 0.09) < 0.01  # end (20/20: +0.19) minus chosen (10/10: +0.10)
+    assert abs(result["held_out_gap_chosen"]["mean"] - 0.10) < 0.01
+    short = transfer.arm([f"10={_eval_table(tmp_path / 'c', 's10', base[:100].tolist())}"])
+    with pytest.raises(SystemExit, match="different sequences"):
+        transfer.transfer(short, control, splits=5, block=10, seed=0)
