@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,9 +168,7 @@ def _own_temporary(path: Path) -> Path:
     """A new file beside `path` that only this call writes, to `os.replace` onto it when complete: two runs
     started side by side fill the same cache at once, and a temporary name they shared was renamed away
     under the second."""
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    os.close(handle)
-    return Path(name)
+    return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")  # made with the user's umask
 
 
 def _write_tokens(dataset, tokenizer, eot: int, config: DataConfig, out: Path, dtype) -> dict:
