@@ -146,7 +146,10 @@ def test_fsdp_bf16_run_follows_the_ddp_run(run_config, tmp_path):
         logged.append(torch.tensor([[r["loss"], r["grad_norm"]] for r in dist_log(tmp_path / kind) if "loss" in r]))
     ddp, fsdp = logged
     assert len(ddp) == 14
-    torch.testing.assert_close(fsdp, ddp, rtol=1e-3, atol=0)  # measured: at most 1.2e-4 apart
+    # measured: the losses at most 1.2e-4 apart (relative), the gradient norms 2.4e-3 on an AMD EPYC (avx512_bf16),
+    # whose bf16 kernels round otherwise than the Intel Xeons' with AMX (where both stayed within 1e-3)
+    torch.testing.assert_close(fsdp[:, 0], ddp[:, 0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(fsdp[:, 1], ddp[:, 1], rtol=1e-2, atol=0)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
