@@ -23,8 +23,8 @@ def _script():
     return module
 
 
-def _row(step: int, ce: float, over: int = 0) -> dict:
-    return {"step": step, "checkpoint": f"c/step_{step}", "ce": ce, "tokens_over_limit": over}
+def _row(step: int, ce: float, over: int = 0, fixed: bool = True) -> dict:
+    return {"step": step, "checkpoint": f"c/step_{step}", "ce": ce, "tokens_over_limit": over, "fully_ln_free": fixed}
 
 
 def test_the_lowest_bounded_ce_is_chosen_and_an_unbounded_run_keeps_its_last_checkpoint():
@@ -34,6 +34,11 @@ def test_the_lowest_bounded_ce_is_chosen_and_an_unbounded_run_keeps_its_last_che
     assert choose(rows[:2]) == rows[0] | {"bounded": True}
     assert choose(rows[1:3]) == rows[2] | {"bounded": False}
     assert choose([_row(1500, 3.1), _row(1551, 3.1)])["step"] == 1551  # a tie: the later checkpoint
+    # a removal's checkpoint with a norm still real is not an LN-free model, however low its CE
+    partial = [_row(1300, 3.0, fixed=False), _row(1450, 3.3), _row(1551, 3.2)]
+    assert choose(partial, removal=True)["step"] == 1551 and choose(partial)["step"] == 1300
+    with pytest.raises(SystemExit, match="every norm fixed"):
+        choose(partial[:1], removal=True)
 
 
 def _summary_script():
@@ -49,20 +54,21 @@ def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_c
     with pytest.raises(SystemExit, match="no complete checkpoint at or after step 13"):
         script.candidates(finished.output_dir, 13)
     out = tmp_path / "results" / "choice" / "ln_free"
-    monkeypatch.setattr("sys.argv", ["choose_step.py", str(finished.output_dir), "--from-step", "6", "--dataset", "tiny",
+    monkeypatch.setattr("sys.argv", ["choose_step.py", str(finished.output_dir), "--from-step", "3", "--dataset", "tiny",
                                      "--context", "32", "--n-sequences", "8", "--batch-size", "4", "--device", "cpu",
                                      "--out", str(out), "--export", str(tmp_path / "export")])
     script.main()
     choice = json.loads((out / "choice.json").read_text())
     rows = choice["candidates"]
-    assert [r["step"] for r in rows] == [6, 9, 12] and choice["dataset"] == "tiny"
+    assert [r["step"] for r in rows] == [3, 6, 9, 12] and choice["dataset"] == "tiny"
+    assert not rows[0]["fully_ln_free"] and rows[-1]["fully_ln_free"]  # step 3: some norms still real
     assert (out / "summary.json").is_file() and "**chosen**" in (out / "choice.md").read_text()  # lnfree eval's files too
     # the same numbers as a separate evaluation of one checkpoint alone
     alone = evaluate([rows[1]["checkpoint"]], "tiny", labels=["alone"], device="cpu", context=32, n_sequences=8,
                      batch_size=4).to_dict()["models"][0]["ce"]["mean"]
     assert rows[1]["ce"] == pytest.approx(alone, abs=1e-5)
-    assert len({round(r["ce"], 4) for r in rows}) == 3  # the steps differ: a choice was made
-    best = min(rows, key=lambda r: r["ce"])
+    assert len({round(r["ce"], 4) for r in rows}) == 4  # the steps differ: a choice was made
+    best = min((r for r in rows if r["fully_ln_free"]), key=lambda r: r["ce"])
     assert choice["bounded"] and (choice["chosen_step"], choice["chosen"]) == (best["step"], best["checkpoint"])
     assert choice["export"] == str(tmp_path / "export")
     record = json.loads((tmp_path / "export" / "lnfree_removal.json").read_text())

@@ -4,8 +4,8 @@ Within the last fifty steps at the learning-rate floor a removal's CE on the who
 0.09 nats while its control's moved by less than 0.01 (the forty-sixth session's pilot): one end step carries
 that swing into the test number. This script evaluates every kept checkpoint of one run from `--from-step` on
 (`lnfree eval`, fp32, the exact fixed-scale form, no scale ceiling) on the whole validation half and chooses the
-one with the lowest mean CE among those that are bounded there (every CE finite, none above 30 nats); when none
-is, the run's last checkpoint, marked unbounded. The LN-free run and its control are chosen by the same rule,
+one with the lowest mean CE among those that are bounded there (every CE finite, none above 30 nats) and, for a
+removal, have every norm fixed; when none is bounded, the last of them, marked unbounded. The LN-free run and its control are chosen by the same rule,
 each on its own CE (never on the gap):
 
     python experiments/robust/choose_step.py RUN --from-step 1450 [--dataset realtext-val] [--context 64] \
@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from lnfree.removal.layout import checkpoint_step, checkpoints
+from lnfree.removal.layout import RUN_CONFIG, checkpoint_step, checkpoints
 
 CE_LIMIT = 30.0  # nats: the issue's bound on any token's CE, as `lnfree stress` counts it
 
@@ -38,9 +38,14 @@ def candidates(run: Path, from_step: int) -> list[Path]:
     return found
 
 
-def choose(rows: list[dict]) -> dict:
+def choose(rows: list[dict], removal: bool = False) -> dict:
     """The row with the lowest mean CE among the bounded ones (finite, no token above `CE_LIMIT`); else the last
-    row. Each row: step, checkpoint, ce, tokens_over_limit. Returns the chosen row with `bounded`."""
+    row. For a `removal` only rows of a fully LN-free model count (a checkpoint with a norm still real is not the
+    product). Each row: step, checkpoint, ce, tokens_over_limit, fully_ln_free. Returns the chosen row with `bounded`."""
+    if removal:
+        rows = [r for r in rows if r["fully_ln_free"]]
+        if not rows:
+            raise SystemExit("no candidate checkpoint of this removal has every norm fixed: choose a later --from-step")
     bounded = [r for r in rows if math.isfinite(r["ce"]) and r["tokens_over_limit"] == 0]
     if not bounded:
         return rows[-1] | {"bounded": False}
@@ -60,7 +65,8 @@ def evaluated(run: Path, from_step: int, args: argparse.Namespace) -> list[dict]
     summary = report.to_dict()
     by_label = {m["label"]: m for m in summary["models"]}
     return [{"step": checkpoint_step(c), "checkpoint": str(c), "ce": by_label[label]["ce"]["mean"],
-             "tokens_over_limit": by_label[label]["tokens_above_threshold"]} for c, label in zip(found, labels)]
+             "tokens_over_limit": by_label[label]["tokens_above_threshold"],
+             "fully_ln_free": bool(by_label[label]["fully_ln_free"])} for c, label in zip(found, labels)]
 
 
 def export_chosen(checkpoint: str, out: Path) -> dict:
@@ -81,10 +87,12 @@ def export_chosen(checkpoint: str, out: Path) -> dict:
 def table(choice: dict) -> str:
     """choice.md: each candidate's validation CE, the chosen one marked."""
     lines = [f"# {choice['run']}: the end checkpoint chosen on {choice['dataset']}", "",
-             f"Rule: {choice['rule']}", "", "| step | mean CE | tokens > 30 nats | |", "|---|---|---|---|"]
+             f"Rule: {choice['rule']}", "", "| step | mean CE | tokens > 30 nats | every norm fixed | |",
+             "|---|---|---|---|---|"]
     for row in choice["candidates"]:
         mark = "**chosen**" if row["step"] == choice["chosen_step"] else ""
-        lines.append(f"| {row['step']} | {row['ce']:.4f} | {row['tokens_over_limit']} | {mark} |")
+        fixed = "yes" if row["fully_ln_free"] else "no"
+        lines.append(f"| {row['step']} | {row['ce']:.4f} | {row['tokens_over_limit']} | {fixed} | {mark} |")
     if not choice["bounded"]:
         lines += ["", "No candidate is bounded on this split: the last checkpoint is kept."]
     return "\n".join(lines) + "\n"
@@ -103,10 +111,10 @@ def main() -> None:
     parser.add_argument("--export", type=Path, help="also export the chosen checkpoint (a removal) here")
     args = parser.parse_args()
     rows = evaluated(args.run, args.from_step, args)
-    chosen = choose(rows)
+    chosen = choose(rows, removal=json.loads((args.run / RUN_CONFIG).read_text())["removal"]["mode"] == "remove")
     choice = {"run": str(args.run), "dataset": args.dataset, "from_step": args.from_step,
               "rule": f"the lowest mean CE among the checkpoints with every CE finite and none above {CE_LIMIT:g} "
-                      "nats; else the last", "candidates": rows,
+                      "nats (a removal's: with every norm fixed); else the last", "candidates": rows,
               "chosen_step": chosen["step"], "chosen": chosen["checkpoint"], "bounded": chosen["bounded"]}
     if args.export is not None:
         choice.update(export_chosen(chosen["checkpoint"], args.export))
