@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it at import, as in pytest-xdist's workers
 
@@ -121,3 +124,16 @@ def own_corpus(names, places, objects, n: int = 300, seed: int = 0) -> list[str]
         article = "an" if obj[0] in "aeiou" else "a"
         text.append(f"Then, {a} and {b} went to the {place}. {a} gave {article} {obj} to {b}.")
     return text
+
+
+def experiment_script(folder: str, name: str):
+    """experiments/FOLDER/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
+    where = Path(__file__).resolve().parents[1] / "experiments" / folder
+    sys.path.insert(0, str(where))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{folder}_{name}", where / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(where))
+    return module

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import small_gpt2
-
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "robust" / "average_checkpoints.py"
+from conftest import experiment_script, small_gpt2
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("average_checkpoints", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("robust", "average_checkpoints")
 
 
 def _with_state(seed: int, fixed: bool):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,17 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import experiment_script
 from lnfree.evaluate import evaluate
 from lnfree.removal.train import run
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "robust" / "choose_step.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("choose_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("robust", "choose_step")
 
 
 def _row(step: int, ce: float, over: int = 0, fixed: bool = True) -> dict:
@@ -39,13 +34,6 @@ def test_the_lowest_bounded_ce_is_chosen_and_an_unbounded_run_keeps_its_last_che
     assert choose(partial, removal=True)["step"] == 1551 and choose(partial)["step"] == 1300
     with pytest.raises(SystemExit, match="every norm fixed"):
         choose(partial[:1], removal=True)
-
-
-def _summary_script():
-    spec = importlib.util.spec_from_file_location("robust_summary", SCRIPT.parent / "summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_config, tmp_path, monkeypatch):
@@ -80,7 +68,7 @@ def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_c
     # summary.json reads both arms' choices (here the same run twice)
     (out.parent / "vanilla").mkdir()
     (out.parent / "vanilla" / "choice.json").write_text((out / "choice.json").read_text())
-    chosen = _summary_script().choices(tmp_path / "results")
+    chosen = experiment_script("robust", "summary").choices(tmp_path / "results")
     assert chosen["ln_free"] == chosen["vanilla"] == {
         "step": best["step"], "checkpoint": best["checkpoint"], "bounded_on_validation": True, "dataset": "tiny",
         "validation_ce": {str(r["step"]): r["ce"] for r in rows}}
@@ -95,9 +83,7 @@ def _eval_table(folder: Path, label: str, ce) -> str:
 
 
 def test_a_step_better_on_every_document_is_chosen_on_either_part_and_its_gain_holds_on_the_other(tmp_path):
-    spec = importlib.util.spec_from_file_location("selection_transfer", SCRIPT.parent / "selection_transfer.py")
-    transfer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(transfer)
+    transfer = experiment_script("robust", "selection_transfer")
     rng = torch.Generator().manual_seed(0)
     base = 3 + torch.rand(200, generator=rng)  # documents differ far more than the steps do
     noise = lambda: 0.01 * torch.randn(200, generator=rng)  # noqa: E731

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,6 +11,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+from conftest import experiment_script
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -119,21 +120,9 @@ def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_bef
     assert removals[1].endswith(" --resume") and "--mode vanilla" in removals[1]
 
 
-def _experiment_script(folder: str, name: str):
-    """experiments/FOLDER/NAME.py as a module (its folder on the path while it loads: it may import its neighbours)."""
-    sys.path.insert(0, str(ROOT / "experiments" / folder))
-    try:
-        spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / f"experiments/{folder}/{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "experiments" / folder))
-    return module
-
-
 def _robust_script(name: str):
     """experiments/robust/NAME.py as a module."""
-    return _experiment_script("robust", name)
+    return experiment_script("robust", name)
 
 
 def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares_them_on_validation(tmp_path):
@@ -248,7 +237,7 @@ def test_the_copy_lens_ends_at_the_models_own_ce_and_the_induction_score_finds_t
 
 
 def test_a_pilot_page_names_a_shared_config_once_and_distinct_ones_per_run(tmp_path, monkeypatch):
-    summary = _experiment_script("smollm2", "gpu_summary")
+    summary = experiment_script("smollm2", "gpu_summary")
     evaluation = {"event": "eval", "step": 25, "held_out_ce": 3.5, "held_out_ce_unguarded": 3.5, "held_out_tokens": 64,
                   "outlier_scale": 2.0, "position0_scale": 9.0, "ceiling_hits": 0}
 

@@ -23,9 +23,8 @@ import json
 import math
 from pathlib import Path
 
+from lnfree.evaluate.stress import CE_LIMIT  # nats: the bound on any token's CE, as `lnfree stress` counts it
 from lnfree.removal.layout import RUN_CONFIG, checkpoint_step, checkpoints
-
-CE_LIMIT = 30.0  # nats: the bound on any token's CE, as `lnfree stress` counts it
 
 
 def candidates(run: Path, from_step: int) -> list[Path]:
