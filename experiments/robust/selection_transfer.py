@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lnfree.evaluate.results import auto_block
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from choose_step import choose  # noqa: E402
 
@@ -54,13 +56,15 @@ def chosen_index(steps: list[int], ce: np.ndarray) -> int:
     return steps.index(choose(rows)["step"])
 
 
-def transfer(removal, control, splits: int, block: int, seed: int) -> dict:
+def transfer(removal, control, splits: int, block: int | None, seed: int) -> dict:
     """Over `splits` random halvings by blocks: how often each choice was made on the choosing part, and the
-    gap on the other part for the chosen pair against the end pair (mean and 2.5/97.5 percentiles)."""
+    gap on the other part for the chosen pair against the end pair (mean and 2.5/97.5 percentiles). `block` None:
+    `lnfree eval`'s bootstrap block for these sequences (`auto_block`)."""
     (steps_r, ce_r, tokens), (steps_c, ce_c, tokens_c) = removal, control
     if len(tokens) != len(tokens_c) or (tokens != tokens_c).any():
         raise SystemExit("the two arms' evaluations score different sequences")
     n = len(tokens)
+    block = block or auto_block(n)
     blocks = np.arange(n) // block
     rng = np.random.default_rng(seed)
     chosen_gap, end_gap, picks = [], [], {}
@@ -68,7 +72,8 @@ def transfer(removal, control, splits: int, block: int, seed: int) -> dict:
         choosing = np.isin(blocks, rng.permutation(blocks.max() + 1)[: (blocks.max() + 1) // 2])
         i = chosen_index(steps_r, part_ce(ce_r, tokens, choosing))
         j = chosen_index(steps_c, part_ce(ce_c, tokens, choosing))
-        picks[f"{steps_r[i]}/{steps_c[j]}"] = picks.get(f"{steps_r[i]}/{steps_c[j]}", 0) + 1
+        pick = f"{steps_r[i]}/{steps_c[j]}"
+        picks[pick] = picks.get(pick, 0) + 1
         held = ~choosing
         r, c = part_ce(ce_r, tokens, held), part_ce(ce_c, tokens, held)
         chosen_gap.append(r[i] - c[j])
@@ -113,8 +118,8 @@ def main() -> None:
     parser.add_argument("--ln-free", nargs="+", required=True, metavar="STEP=EVAL_DIR:LABEL")
     parser.add_argument("--vanilla", nargs="+", required=True, metavar="STEP=EVAL_DIR:LABEL")
     parser.add_argument("--splits", type=int, default=1000)
-    parser.add_argument("--block", type=int, default=26, help="neighbouring sequences kept together (lnfree eval's "
-                        "bootstrap block on the validation half)")
+    parser.add_argument("--block", type=int, default=None, help="neighbouring sequences kept together (default: "
+                        "lnfree eval's bootstrap block for as many sequences, round(√N))")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="FILE.md (and FILE.json beside it)")
     args = parser.parse_args()
