@@ -99,3 +99,23 @@ def test_a_step_better_on_every_document_is_chosen_on_either_part_and_its_gain_h
     short = transfer.arm([f"10={_eval_table(tmp_path / 'c', 's10', base[:100].tolist())}"])
     with pytest.raises(SystemExit, match="different sequences"):
         transfer.transfer(short, control, splits=5, block=10, seed=0)
+
+
+def test_paired_finite_compares_two_configs_gaps_on_the_same_sequences(tmp_path):
+    compare = experiment_script("robust", "paired_finite")
+    rng = torch.Generator().manual_seed(0)
+    base = 3 + torch.rand(200, generator=rng)  # documents differ far more than the models do
+    noise = lambda: 0.01 * torch.randn(200, generator=rng)  # noqa: E731
+    tables = {"a_van": base + noise(), "a_free": base + 0.20 + noise(), "b_van": base + 0.05 + noise(),
+              "b_free": base + 0.15 + noise()}
+    specs = []
+    for k, (name, ce) in enumerate(tables.items()):  # every file is ln_free.csv: the NAME= labels tell them apart
+        folder, _ = _eval_table(tmp_path / str(k), "ln_free", ce.tolist()).rsplit(":", 1)
+        specs.append(f"{name}={folder}/ln_free.csv")
+    report = compare.compare(compare.read_tables(specs), [("a_van", "a_free"), ("b_van", "b_free")])
+    row = next(line for line in report.splitlines() if line.startswith("| a_free − a_van | b_free − b_van |"))
+    value, interval = row.split(" | ")[2:4]
+    low, high = (float(x) for x in interval.strip("[] |").split(", "))
+    assert abs(float(value) + 0.10) < 0.01 and low < -0.10 < high and high < 0  # b's gap +0.10, a's +0.20
+    with pytest.raises(SystemExit, match="named 'ln_free'"):
+        compare.read_tables([f"{tmp_path}/0/ln_free.csv", f"{tmp_path}/1/ln_free.csv"])
