@@ -120,11 +120,6 @@ def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_bef
     assert removals[1].endswith(" --resume") and "--mode vanilla" in removals[1]
 
 
-def _robust_script(name: str):
-    """experiments/robust/NAME.py as a module."""
-    return experiment_script("robust", name)
-
-
 def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares_them_on_validation(tmp_path):
     shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust")
     shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
@@ -159,7 +154,7 @@ def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares
 
 
 def test_the_robust_summary_names_each_runs_precision_and_the_cpus_it_started_and_resumed_on(tmp_path):
-    summary = _robust_script("summary")
+    summary = experiment_script("robust", "summary")
     records = [{"event": "start", "step": 0, "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}, {"step": 1, "loss": 3.0},
                {"event": "resume", "step": 1, "checkpoint": "c", "precision": "bf16", "cpu": "another (amx_bf16)"},
                {"event": "resume", "step": 1, "checkpoint": "c", "precision": "bf16", "cpu": "a CPU (avx512_bf16)"}]
@@ -172,7 +167,7 @@ def test_the_robust_summary_names_each_runs_precision_and_the_cpus_it_started_an
 
 
 def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_path):
-    probe = _robust_script("temperature")
+    probe = experiment_script("robust", "temperature")
     torch = pytest.importorskip("torch")
     generator = torch.Generator().manual_seed(0)
     vocab, rows, length = 40, 96, 64
@@ -194,7 +189,7 @@ def test_the_temperature_probe_finds_the_scale_by_which_an_arm_is_too_sharp(tmp_
     ce = [probe.ce_by_temperature(model, ids, 16) for model in (control, sharp, control)]
     write_experiment({"split": "validation", "tokens": ids[:, 1:].numel(),
                       **probe.summarise(["vanilla", "ln_free", "original"], ce)}, [], tmp_path / "temperature")
-    calibration = _robust_script("summary").calibration(tmp_path)
+    calibration = experiment_script("robust", "summary").calibration(tmp_path)
     best = {name: m["best_temperature"] for name, m in result["models"].items()}
     assert calibration["best_temperature"] == {"vanilla": best["control"], "ln_free": best["sharp"],
                                                "original": best["control"]}
@@ -207,7 +202,7 @@ def test_the_copy_lens_ends_at_the_models_own_ce_and_the_induction_score_finds_t
 
     from lnfree.data.tiny import TINY_MODEL_DIR
 
-    induction, lens = _robust_script("induction"), _robust_script("copy_lens")
+    induction, lens = experiment_script("robust", "induction"), experiment_script("robust", "copy_lens")
     model = GPT2LMHeadModel.from_pretrained(TINY_MODEL_DIR, local_files_only=True).eval()
     ids = induction.rows(torch.arange(50, model.config.vocab_size).numpy(), 8, lens.SPAN, None, seed=0)
     by_sublayer = lens.lens_ce(model, ids)
