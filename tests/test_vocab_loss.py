@@ -234,18 +234,21 @@ def test_the_objective_with_the_chunked_loss_gives_the_plain_terms_and_gradients
 
 
 def test_a_run_with_the_chunked_or_compiled_loss_logs_the_plain_runs_losses(run_config, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, whatever ran before
-    monkeypatch.setattr(vocab_module._Compiled, "terms", None)  # compiled afresh in this process
-    config = with_overrides(run_config(max_steps=4, distill_alpha=0.5, eval_every=0), {"removal.schedule": {
-        "stages": [{"kind": kind, "start": 1, "gap": 0} for kind in ("ln_2", "ln_1qk", "ln_1v", "ln_f")]}})
-    logs = []
-    for chunk, compiled, out in ((None, False, "plain"), (64, False, "chunked"), (None, True, "compiled")):
-        result = run(with_overrides(config, {"train.chunked_vocab_loss": chunk, "train.compile_vocab_loss": compiled,
-                                             "output_dir": str(tmp_path / out)}), progress=False)
-        logs.append([json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()
-                     if '"loss"' in line])
-    assert len(logs[0]) == 4
-    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT  # each set of terms may keep its own graph
+    # Dynamo's default limit, whatever ran before. Its own patch, not monkeypatch: pytest undoes a module
+    # attribute missing from its __dict__ by deleting it, which hides the option from the tests after this one.
+    with torch._dynamo.config.patch(recompile_limit=8):
+        monkeypatch.setattr(vocab_module._Compiled, "terms", None)  # compiled afresh in this process
+        config = with_overrides(run_config(max_steps=4, distill_alpha=0.5, eval_every=0), {"removal.schedule": {
+            "stages": [{"kind": kind, "start": 1, "gap": 0} for kind in ("ln_2", "ln_1qk", "ln_1v", "ln_f")]}})
+        logs = []
+        for chunk, compiled, out in ((None, False, "plain"), (64, False, "chunked"), (None, True, "compiled")):
+            overrides = {"train.chunked_vocab_loss": chunk, "train.compile_vocab_loss": compiled,
+                         "output_dir": str(tmp_path / out)}
+            result = run(with_overrides(config, overrides), progress=False)
+            logs.append([json.loads(line) for line in (result.output_dir / "log.jsonl").read_text().splitlines()
+                         if '"loss"' in line])
+        assert len(logs[0]) == 4
+        assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT  # each set of terms may keep its own graph
     for other in logs[1:]:
         for a, b in zip(logs[0], other):
             for term in ("loss", "ce", "kl", "aux", "grad_norm"):
