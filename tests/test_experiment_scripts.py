@@ -70,12 +70,12 @@ def test_side_by_side_runs_in_turn_on_one_core(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def _robust_dry_run(tmp_path: Path) -> list[str]:
-    """The commands `experiments/robust/run.sh --dry-run gemma3` prints, run from a copy of the scripts in `tmp_path`
-    (so that run folders of this checkout, where a finished run prints no command, do not count)."""
+def _robust_dry_run(tmp_path: Path, *args: str) -> list[str]:
+    """The commands `experiments/robust/run.sh --dry-run gemma3 ARGS` prints, run from a copy of the scripts in
+    `tmp_path` (so that run folders of this checkout, where a finished run prints no command, do not count)."""
     shutil.copytree(ROOT / "experiments/robust", tmp_path / "experiments/robust", dirs_exist_ok=True)
     shutil.copy(ROOT / "experiments/lib.sh", tmp_path / "experiments/lib.sh")
-    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3"], cwd=tmp_path,
+    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
@@ -105,6 +105,20 @@ def test_robust_run_trains_side_by_side_and_measures_the_original_first(tmp_path
     assert "gemma3/vanilla/checkpoints/CHOSEN runs/robust/gemma3/ln_free/checkpoints/CHOSEN" in commands[test_eval]
     verify = next(c for c in commands if c.startswith("lnfree verify"))
     assert verify.split()[2] == commands[choose[0]].split("--export ")[1].split()[0]
+
+
+def test_a_robust_run_with_a_seed_trains_with_it_and_keeps_every_file_in_its_own_folders(tmp_path):
+    commands = _robust_dry_run(tmp_path, "1")
+    removals = [c for c in commands if c.startswith("lnfree remove")]
+    assert len(removals) == 2 and all(c.endswith(" --seed 1") for c in removals)
+    assert "-o runs/robust/gemma3-seed1/ln_free " in removals[0] and "-o runs/robust/gemma3-seed1/vanilla " in removals[1]
+    outs = [c.split("--out ")[1].split()[0] for c in commands if "--out " in c]
+    assert outs and all(o.startswith("experiments/results/gemma3-270m/robust/seed1/") for o in outs), outs
+    assert not any("runs/robust/gemma3/" in c for c in commands)
+    assert "--seed" not in " ".join(_robust_dry_run(tmp_path / "default"))
+    done = subprocess.run(["bash", "experiments/robust/run.sh", "--dry-run", "gemma3", "one"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "SEED must be a whole number" in done.stderr
 
 
 def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_before_its_first(tmp_path):

