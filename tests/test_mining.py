@@ -71,6 +71,28 @@ def test_the_random_sweep_mines_the_first_id_that_overflows_among_random_ids(run
     assert set(found.random) - set(clean.random) == {11}
 
 
+def test_the_alone_sweep_reads_each_id_as_a_one_token_row_and_mines_those_that_overflow(run_config):
+    """`Mining.alone`: each id's ratio is that of its own one-token row, whatever the batching; an id made to run
+    away is mined once, after the repeated ones; without the setting nothing is swept alone."""
+    from lnfree.models.base import load_base
+    from lnfree.removal.mining import alone_sweep, residual_norms, residual_stream
+
+    model, _ = load_base(run_config().model)
+    text = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    text[text == 11] = 12  # the planted id must not be in the text: it would widen the envelope it is judged by
+    limits = text_envelope(model, text)
+    ids = torch.arange(20)
+    ratio = alone_sweep(model, ids, limits, batch_size=1)  # 8 rows a forward: three batches
+    for i in (0, 8, 19):
+        stream, _ = residual_stream(model, ids[i:i + 1, None], head=False)
+        assert float(ratio[i]) == pytest.approx(float((residual_norms(stream)[:, 0, 0] / limits).max()), rel=1e-5)
+    with torch.no_grad():
+        model.transformer.wte.weight[11] *= 1e3
+    found = mine(model, Mining(of=1, alone=True), text, bos=None, seed=0)
+    assert 11 in found.alone and found.ids.count(11) == 1 and found.ids[:len(found.repeated)] == found.repeated
+    assert mine(model, Mining(of=1), text, bos=None, seed=0).alone == []
+
+
 def test_the_random_rows_are_not_the_stress_sweeps_rows():
     """Mining's order of a part is its own, so a run that replays what it mines never trains on the rows that
     `lnfree stress` measures (which cut the same seed's permutation of the vocabulary in order)."""
@@ -84,14 +106,14 @@ def test_the_random_rows_are_not_the_stress_sweeps_rows():
 def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_resume(run_config):
     cov = {"rows": 2, "ratio": 1.2, "start": 0, "max_grad_share": 0.3}
     mining = {**cov, "start": 4, "repeated_share": 1.0, "replay_share": 1.0,
-              "mine": {"of": 2, "part": 1, "random": True, "random_context": 8}}
+              "mine": {"of": 2, "part": 1, "random": True, "random_context": 8, "alone": True}}
     config = with_overrides(run_config(max_steps=12, save_every=6), {
         "train.coverage": [cov, mining], "train.distill_alpha": 0.5, "train.eval_every": 0})
     out = run(config, progress=False).output_dir
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     mines = [r for r in lines if r.get("event") == "mine"]
     vocab = json.loads((out / "checkpoints" / "step_000006" / "config.json").read_text())["vocab_size"]
-    assert len(mines) == 1 and mines[0]["step"] == 4 and "random_rows_overflow" in mines[0]
+    assert len(mines) == 1 and mines[0]["step"] == 4 and {"random_rows_overflow", "alone_overflow"} <= set(mines[0])
     assert mines[0]["swept"] == len(vocabulary_part(vocab, [1], 2, seed=config.train.seed))
     found = json.loads((out / "mined_ids.json").read_text())
     assert list(found) == ["4"] and len(found["4"]) == mines[0]["overflow"]

@@ -23,21 +23,16 @@ from tqdm.auto import tqdm
 from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
 from lnfree.evaluate.datasets import load_sequences, resolve_dataset
-from lnfree.removal.mining import OVERFLOW_RATIO, residual_norms, residual_stream, text_envelope
+from lnfree.removal.mining import OVERFLOW_RATIO, SWEEP_CONTEXT, alone_sweep, text_envelope
 
 CONTEXT = 64
 
 
-@torch.no_grad()
 def position0_ratio(model: torch.nn.Module, vocab_size: int, limits: torch.Tensor, batch_size: int = 4096) -> np.ndarray:
     """Per id, its largest residual norm over `limits` as a one-token row (inf where non-finite), bf16 autocast."""
-    out = []
-    for start in tqdm(range(0, vocab_size, batch_size), desc="ids at position 0", unit="batch"):
-        rows = torch.arange(start, min(start + batch_size, vocab_size))[:, None]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            stream, _ = residual_stream(model, rows, head=False)
-        out.append((residual_norms(stream)[:, :, 0] / limits.clamp_min(1e-30)[:, None]).amax(dim=0))
-    return torch.cat(out).numpy()
+    chunks = torch.arange(vocab_size).split(batch_size)
+    return torch.cat([alone_sweep(model, chunk, limits, batch_size=batch_size // SWEEP_CONTEXT, bf16=True)
+                      for chunk in tqdm(chunks, desc="ids at position 0", unit="batch")]).numpy()
 
 
 def main() -> None:

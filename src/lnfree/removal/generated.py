@@ -70,4 +70,5 @@ def mine_if_due(config: RunConfig, accelerator: Accelerator, data: TokenData, mi
     log({"event": "mine", "step": step, "part": coverage.mine.part, "of": coverage.mine.of,
          "swept": found.swept * accelerator.num_processes, "overflow": len(ids),
          **({"random_rows_overflow": len(random)} if coverage.mine.random else {}),
+         **({"alone_overflow": len(gather(found.alone))} if coverage.mine.alone else {}),
          "cpu_seconds": round(time.process_time() - started, 1)})

@@ -1,8 +1,8 @@
 """Which token ids run away when repeated: a short repeated-id sweep over (part of) a vocabulary.
 
 `lnfree stress` probes a few hundred repeated ids at the full context with every logit; a 262,144-id
-vocabulary would take hours that way. A runaway on a repeated id shows within a few repeats (on the
-Gemma 3 270M LN-free checkpoints measured, the ids that overflow at 64 tokens already do at 6–8), and
+vocabulary would take hours that way. Most runaways on a repeated id show within a few repeats (on the
+Gemma 3 270M LN-free checkpoints measured, most ids that overflow at 64 tokens already do at 6–8), and
 the overflow measure reads only the residual stream, so this sweep runs BOS and the id repeated to a
 short context through the model without its head's product (Gemma's 640 × 262,144 unembedding is most of
 its forward) and records per id its largest residual norm over the model's *envelope* (per layer, the
@@ -14,6 +14,13 @@ the one-command run: place names such as ' Toronto' and ' Zürich' in random row
 fire 5-30× their range on them in the original; `experiments/robust/sweep_neurons.py`). `Mining.random`
 adds a sweep of the part in rows of random ids, each id once, as `lnfree stress`'s vocabulary sweep but
 in an order of its own: each row that overflows gives the id of its first overflowing token.
+
+Some ids run away only late in a long repeated row (past position 16 on those checkpoints, about 0.3 % of the
+ids of one of them), where the short rows miss them. Down such a row BOS's share of the attention shrinks and
+each copy tends to the id attending to itself only, the state of a one-token row. On one LN-free Gemma checkpoint
+the late runaway that `lnfree stress` found runs away alone too, and 20 of the 256 ids worst alone run away late
+against none of 256 others. `Mining.alone` adds that one-token sweep (an eighth of the repeated sweep's tokens)
+and mines the ids that overflow alone.
 
 During a removal, `train.coverage.mine` (`Mining`) runs such a sweep when its coverage setting starts
 and replays the ids it finds (`lnfree.removal.losses.coverage`); `experiments/robust/mine_repeated.py`
@@ -56,6 +63,9 @@ class Mining(BaseModel):
     random: bool = Field(False, description="also sweep the part in rows of random ids (each id once, in an order "
                          "seeded apart from lnfree stress's sweep): the first overflowing id of each row is mined too")
     random_context: int = Field(RANDOM_CONTEXT, ge=2, description="tokens per row of random ids, BOS included")
+    alone: bool = Field(False, description="also sweep the part as one-token rows, each id alone at position 0 (the "
+                        "first token of an input without BOS): an id that overflows there is mined too. The ids that "
+                        "run away only late in a long repeated row, past this sweep's short rows, are among them")
 
     @model_validator(mode="after")
     def _part_of_the_parts(self):
@@ -141,6 +151,17 @@ def repeated_sweep(model: torch.nn.Module, ids: torch.Tensor, limits: torch.Tens
     return torch.cat(worst) if worst else torch.zeros(0)
 
 
+def alone_sweep(model: torch.nn.Module, ids: torch.Tensor, limits: torch.Tensor, *, batch_size: int = 256,
+                bf16: bool = False) -> torch.Tensor:
+    """Per id of `ids`, the largest residual norm over `limits` of the id alone in a one-token row (position 0
+    with nothing before it, so it attends to itself only): inf where a value is non-finite. A row of BOS and
+    one id repeated tends to this state as BOS's share of the attention shrinks down the row."""
+    rows = ids.reshape(-1, 1)
+    worst = [(_norms(model, batch, bf16) / limits.clamp_min(1e-30)[:, None, None]).amax(dim=(0, 2))
+             for batch in rows.split(batch_size * SWEEP_CONTEXT)]  # as many tokens a forward as a repeated batch
+    return torch.cat(worst) if worst else torch.zeros(0)
+
+
 def random_order(ids: np.ndarray, seed: int) -> np.ndarray:
     """`ids` shuffled by `seed` in a stream of their own (never `lnfree stress`'s order for the same seed)."""
     return np.random.default_rng([seed, _RANDOM_STREAM]).permutation(ids)
@@ -174,11 +195,12 @@ class Found(NamedTuple):
     repeated: list[int]  # ids that overflow when repeated, worst first
     random: list[int]  # the first overflowing id of each row of random ids that overflows (`Mining.random`)
     swept: int  # ids this process swept
+    alone: list[int] = []  # ids that overflow alone at position 0, worst first (`Mining.alone`)
 
     @property
     def ids(self) -> list[int]:
-        """Every id found, once: the repeated ones first."""
-        return list(dict.fromkeys(self.repeated + self.random))
+        """Every id found, once: the repeated ones first, then those among random ids, then those alone."""
+        return list(dict.fromkeys(self.repeated + self.random + self.alone))
 
 
 def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int | None, seed: int,
@@ -197,11 +219,17 @@ def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int
                                batch_size=mining.batch_size, bf16=bf16)
         random = random_sweep(model, ids, limits, bos=bos, seed=seed, context=mining.random_context,
                               batch_size=mining.batch_size, bf16=bf16) if mining.random else []
+        alone = alone_sweep(model, torch.from_numpy(ids), limits, batch_size=mining.batch_size,
+                            bf16=bf16) if mining.alone else torch.zeros(0)
     finally:
         model.train(was_training)
+    return Found(_overflowing(ids, ratio), random, len(part[rank::world]), _overflowing(ids, alone))
+
+
+def _overflowing(ids: np.ndarray, ratio: torch.Tensor) -> list[int]:
+    """The ids whose ratio is above `OVERFLOW_RATIO`, worst first, each once."""
     order = np.argsort(-ratio.numpy(), kind="stable")
-    repeated = dict.fromkeys(int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO)
-    return Found(list(repeated), random, len(part[rank::world]))
+    return list(dict.fromkeys(int(ids[i]) for i in order if ratio[i] > OVERFLOW_RATIO))
 
 
 class MinedIds:
