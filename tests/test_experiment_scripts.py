@@ -132,6 +132,9 @@ def test_robust_run_resumes_a_run_with_a_checkpoint_and_restarts_one_stopped_bef
     removals = [c for c in _robust_dry_run(tmp_path) if c.startswith("lnfree remove")]
     assert removals[0].endswith(" --overwrite") and "--mode vanilla" not in removals[0]
     assert removals[1].endswith(" --resume") and "--mode vanilla" in removals[1]
+    # a resumed run keeps the config it started with; a restarted one reads the recipe's file again
+    assert "--config runs/robust/gemma3/vanilla/run_config.json " in removals[1]
+    assert "--config experiments/robust/gemma3.toml " in removals[0]
 
 
 def test_recovery_continues_both_finished_runs_from_their_last_step_and_compares_them_on_validation(tmp_path):

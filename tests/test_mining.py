@@ -91,6 +91,10 @@ def test_the_alone_sweep_reads_each_id_as_a_one_token_row_and_mines_those_that_o
     found = mine(model, Mining(of=1, alone=True), text, bos=None, seed=0)
     assert 11 in found.alone and found.ids.count(11) == 1 and found.ids[:len(found.repeated)] == found.repeated
     assert mine(model, Mining(of=1), text, bos=None, seed=0).alone == []
+    only = mine(model, Mining(of=1, repeated=False, alone=True), text, bos=None, seed=0)
+    assert only.repeated == [] and only.alone == found.alone
+    with pytest.raises(ValueError, match="sweeps nothing"):
+        Mining(repeated=False)
 
 
 def test_the_random_rows_are_not_the_stress_sweeps_rows():

@@ -21,7 +21,8 @@
 #    one's validation CE at its best softmax temperature (experiments/robust/temperature.py, the validation half);
 # 6. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
-# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
+# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped, a training run
+# resumes with the config it started with (the
 # stress step keeps each model's record in stress/parts/ and measures only the models left, or whose weights
 # changed); a measurement older than the runs is made again.
 set -euo pipefail
@@ -50,14 +51,16 @@ removal_run() {  # removal_run DIR EXTRA_ARGS...: start, resume, or leave a fini
     echo "$dir is finished (delete it to run again)"
     return 0
   fi
-  local resume=()
+  local resume=() from=$config
   if compgen -G "$REPO_ROOT/$dir/checkpoints/step_*/trainer_state.json" >/dev/null; then
-    resume=(--resume)
+    # a run ends with the config it started with, though the recipe's file has changed since (amend on purpose
+    # with branch.sh)
+    resume=(--resume) from=$dir/run_config.json
   elif [[ -f $REPO_ROOT/$dir/run_config.json ]]; then
     resume=(--overwrite)  # stopped before its first checkpoint: nothing to resume, start it again
   fi
   # a finished run whose export was refused (the model overflows on some probe row) still has its summary
-  run "$dir" lnfree remove --config "$config" -o "$dir" "$@" "${resume[@]}" || [[ -f $REPO_ROOT/$dir/summary.json ]]
+  run "$dir" lnfree remove --config "$from" -o "$dir" "$@" "${resume[@]}" || [[ -f $REPO_ROOT/$dir/summary.json ]]
 }
 
 # a measurement is done when its file is newer than both runs' summaries: results of an earlier run of the

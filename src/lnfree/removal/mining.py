@@ -20,7 +20,9 @@ ids of one of them), where the short rows miss them. Down such a row BOS's share
 each copy tends to the id attending to itself only, the state of a one-token row. On one LN-free Gemma checkpoint
 the late runaway that `lnfree stress` found runs away alone too, and 20 of the 256 ids worst alone run away late
 against none of 256 others. `Mining.alone` adds that one-token sweep (an eighth of the repeated sweep's tokens)
-and mines the ids that overflow alone.
+and mines the ids that overflow alone; it singles them out only once position 0 has been trained alone
+(`Coverage.first_token_rows`): before that, on the same run's step 1400, 208,424 of the 262,144 ids overflowed alone.
+`Mining.repeated = False` leaves the repeated sweep out, for a later setting that mines alone only.
 
 During a removal, `train.coverage.mine` (`Mining`) runs such a sweep when its coverage setting starts
 and replays the ids it finds (`lnfree.removal.losses.coverage`); `experiments/robust/mine_repeated.py`
@@ -57,6 +59,7 @@ class Mining(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     part: int = Field(0, ge=0, description="which part of the vocabulary to sweep")
+    repeated: bool = Field(True, description="sweep the part in repeated rows (false: only the sweeps below that are on)")
     of: int = Field(4, ge=1, description="the vocabulary cut into this many parts (a permutation seeded by train.seed)")
     context: int = Field(SWEEP_CONTEXT, ge=2, description="tokens per swept row, BOS included")
     batch_size: int = Field(256, ge=1, description="rows per forward pass")
@@ -65,12 +68,15 @@ class Mining(BaseModel):
     random_context: int = Field(RANDOM_CONTEXT, ge=2, description="tokens per row of random ids, BOS included")
     alone: bool = Field(False, description="also sweep the part as one-token rows, each id alone at position 0 (the "
                         "first token of an input without BOS): an id that overflows there is mined too. The ids that "
-                        "run away only late in a long repeated row, past this sweep's short rows, are among them")
+                        "run away only late in a long repeated row, past this sweep's short rows, are among them; a "
+                        "sweep before position 0 is trained alone (coverage.first_token_rows) finds most of the vocabulary")
 
     @model_validator(mode="after")
     def _part_of_the_parts(self):
         if self.part >= self.of:  # caught when the config loads, not hours later when the sweep starts
             raise ValueError(f"mine.part {self.part} of {self.of}: must be below `of`")
+        if not (self.repeated or self.random or self.alone):
+            raise ValueError("mine sweeps nothing: set repeated, random or alone")
         return self
 
 
@@ -216,7 +222,7 @@ def mine(model: torch.nn.Module, mining: Mining, text: torch.Tensor, *, bos: int
         # Every process sweeps as many ids, so runs as many forwards: under FSDP each gathers the weights from all.
         ids = np.resize(part[rank::world], -(-len(part) // world))  # a shorter share repeats its first id
         ratio = repeated_sweep(model, torch.from_numpy(ids), limits, bos=bos, context=mining.context,
-                               batch_size=mining.batch_size, bf16=bf16)
+                               batch_size=mining.batch_size, bf16=bf16) if mining.repeated else torch.zeros(0)
         random = random_sweep(model, ids, limits, bos=bos, seed=seed, context=mining.random_context,
                               batch_size=mining.batch_size, bf16=bf16) if mining.random else []
         alone = alone_sweep(model, torch.from_numpy(ids), limits, batch_size=mining.batch_size,
