@@ -21,10 +21,9 @@
 #    one's validation CE at its best softmax temperature (experiments/robust/temperature.py, the validation half);
 # 6. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
 # Weights go to runs/robust/MODEL/ (not committed); tables and summaries to
-# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped, a training run
-# resumes with the config it started with (the
+# experiments/results/<model>/robust/. Run it again after an interruption: finished steps are skipped (the
 # stress step keeps each model's record in stress/parts/ and measures only the models left, or whose weights
-# changed); a measurement older than the runs is made again.
+# changed), a training run resumes with the config it started with, and a measurement older than the runs is made again.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 if [[ ${1:-} == --dry-run ]]; then DRY_RUN=1; shift; fi
