@@ -28,11 +28,9 @@ import numpy as np
 import torch
 
 from late_repeats import LONG, per_position_ratio
-from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
-from lnfree.evaluate.datasets import load_sequences, resolve_dataset
-from lnfree.removal.mining import OVERFLOW_RATIO, text_envelope
-from position0_sweep import position0_ratio
+from lnfree.removal.mining import OVERFLOW_RATIO
+from position0_sweep import position0_ratio, validation_envelope
 
 
 def groups(alone: np.ndarray, top: int, seed: int, extra: list[int]) -> dict[str, np.ndarray]:
@@ -54,11 +52,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model = load_models([args.model])[0]
-    bos = bos_token(model.module.config, model.tokenizer)
-    text = load_sequences(resolve_dataset("realtext-val"), model.tokenizer, context=LONG, n_sequences=None,
-                          vocab_size=model.vocab_size, bos_token_id=bos)
     start = time.process_time()
-    limits = text_envelope(model.module, torch.from_numpy(text), bf16=True)
+    bos, limits = validation_envelope(model)
     alone = position0_ratio(model.module, model.vocab_size, limits)
     alone = np.where(np.isfinite(alone), alone, np.inf)  # a non-finite id ranks first
     rank = (-alone).argsort(kind="stable").argsort()  # 0: the highest ratio

@@ -27,11 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lnfree.data.documents import bos_token
 from lnfree.evaluate import load_models
-from lnfree.evaluate.datasets import load_sequences, resolve_dataset
 from lnfree.removal.mining import (OVERFLOW_RATIO, SWEEP_CONTEXT, repeated_sequences, residual_norms,
-                                   residual_stream, text_envelope, vocabulary_part)
+                                   residual_stream, vocabulary_part)
+from position0_sweep import validation_envelope
 
 LONG = 64
 SHORT = (SWEEP_CONTEXT, 16, 32)
@@ -48,11 +47,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model = load_models([args.model])[0]
-    bos = bos_token(model.module, model.tokenizer)
-    text = load_sequences(resolve_dataset("realtext-val"), model.tokenizer, context=LONG, n_sequences=None,
-                          vocab_size=model.vocab_size, bos_token_id=bos)
     start = time.process_time()
-    limits = text_envelope(model.module, torch.from_numpy(text), bf16=True)
+    bos, limits = validation_envelope(model)
     extra = [int(i) for i in args.extra.split(",") if i]
     ids = torch.from_numpy(np.concatenate([vocabulary_part(model.vocab_size, [0], args.of, args.seed), extra]))
     ratio = per_position_ratio(model.module, ids, limits, bos, LONG)  # (ids, LONG)

@@ -35,6 +35,15 @@ def position0_ratio(model: torch.nn.Module, vocab_size: int, limits: torch.Tenso
                       for chunk in tqdm(chunks, desc="ids at position 0", unit="batch")]).numpy()
 
 
+def validation_envelope(model) -> tuple[int | None, torch.Tensor]:
+    """(BOS id or None, per-layer envelope) of an `lnfree.evaluate` model on the whole validation half, BOS-led,
+    `CONTEXT` tokens a row, under bf16 autocast (never the test half)."""
+    bos = bos_token(model.module.config, model.tokenizer)
+    text = load_sequences(resolve_dataset("realtext-val"), model.tokenizer, context=CONTEXT, n_sequences=None,
+                          vocab_size=model.vocab_size, bos_token_id=bos)
+    return bos, text_envelope(model.module, torch.from_numpy(text), bf16=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+")
@@ -44,11 +53,8 @@ def main() -> None:
     record = {"envelope": "realtext-val (BOS-led, whole validation half)", "overflow_ratio": OVERFLOW_RATIO, "models": {}}
     for source in args.models:
         model = load_models([source])[0]
-        bos = bos_token(model.module.config, model.tokenizer)
-        text = load_sequences(resolve_dataset("realtext-val"), model.tokenizer, context=CONTEXT, n_sequences=None,
-                              vocab_size=model.vocab_size, bos_token_id=bos)
         start = time.process_time()
-        limits = text_envelope(model.module, torch.from_numpy(text), bf16=True)
+        _, limits = validation_envelope(model)
         ratio = position0_ratio(model.module, model.vocab_size, limits)
         over = np.flatnonzero(ratio > OVERFLOW_RATIO)
         worst = over[np.argsort(-ratio[over], kind="stable")]
