@@ -226,3 +226,24 @@ def test_one_token_rows_draw_their_text_share_from_the_micro_batch():
     assert torch.equal(rows[16:], uniform[16:])  # the uniform part is the same stream
     assert torch.equal(first_token_ids(Coverage(first_token_rows=64, first_text_share=1.0), 7, 0, 0, vocab_size=1000,
                                        seed=3), uniform)  # no text given: all uniform
+
+
+def test_one_token_rows_draw_their_replay_share_from_the_replayed_ids_after_the_text():
+    text = torch.full((4, 16), 5000)
+    args = dict(vocab_size=1000, seed=3, text=text)
+    both = Coverage(first_token_rows=64, first_text_share=0.25, first_replay_share=0.5, replay=[2000, 3000])
+    rows = first_token_ids(both, 7, 0, 0, **args)
+    assert (rows[:16] == 5000).all() and set(rows[16:48, 0].tolist()) == {2000, 3000} and rows[48:].max() < 1000
+    text_only = first_token_ids(Coverage(first_token_rows=64, first_text_share=0.25), 7, 0, 0, **args)
+    assert torch.equal(rows[48:], text_only[48:])  # the rest is the same stream as without replay
+    mined = first_token_ids(both, 7, 0, 0, replay=[4000], **args)  # the run's mined ids, given apart
+    assert (mined[16:48] == 4000).all()
+    assert torch.equal(first_token_ids(both, 7, 0, 0, replay=[], **args), text_only)  # nothing mined: uniform
+
+
+def test_the_one_token_rows_shares_must_fit_and_have_ids_to_replay():
+    with pytest.raises(ValueError, match="more than 1"):
+        Coverage(first_token_rows=8, first_text_share=0.6, first_replay_share=0.5, replay=[1])
+    with pytest.raises(ValueError, match="nothing to replay"):
+        Coverage(first_token_rows=8, first_replay_share=0.5)
+    Coverage(first_token_rows=8, first_replay_share=0.5, mine={"part": 0, "of": 1, "repeated": False, "alone": True})

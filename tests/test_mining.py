@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,6 +128,23 @@ def test_a_run_mines_once_when_its_setting_starts_and_keeps_the_ids_across_a_res
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len([r for r in lines if r.get("event") == "mine"]) == 1  # resumed after step 4: not mined again
     assert np.isfinite([r["cov_kl"] for r in lines if "cov_kl" in r]).all()
+
+
+def test_a_runs_one_token_rows_replay_what_it_mined(run_config, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lnfree.removal.generated import coverage_rows
+    from lnfree.removal.layout import MINED
+
+    setting = {"rows": 1, "start": 4, "first_token_rows": 16, "first_replay_share": 0.5,
+               "mine": {"of": 1, "repeated": False, "alone": True}}
+    config = with_overrides(run_config(max_steps=8), {"train.coverage": setting})
+    Path(config.output_dir).mkdir(parents=True)
+    (Path(config.output_dir) / MINED).write_text(json.dumps({"4": [7, 9]}))
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rows, _ = coverage_rows(config, 0, 8, model, tokenizer)
+    one = rows(5, 0, config.train.coverage, True)
+    assert one.shape == (16, 1) and set(one[:8, 0].tolist()) <= {7, 9}
 
 
 def test_every_process_sweeps_as_many_ids_whatever_its_share(monkeypatch):

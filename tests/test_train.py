@@ -220,6 +220,23 @@ def test_a_save_killed_midway_is_ignored_resume_continues_and_a_finished_run_is_
     assert again.seconds == resumed.seconds and files() == before
 
 
+def test_a_disk_without_room_for_the_next_checkpoint_stops_the_run_with_a_clear_error(run_config, monkeypatch):
+    from lnfree.removal import checkpointing
+
+    config = run_config(save_every=5)
+    out = Path(config.output_dir)
+    real = shutil.disk_usage
+    full = lambda path: real(path)._replace(free=1000)  # noqa: E731  (the first checkpoint took more)
+    calls = []
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: calls.append(path) or full(path))
+    with pytest.raises(RunError, match=r"no room for checkpoint step_000010: 0.00 GB free .* resume with --resume"):
+        run(config, progress=False)
+    assert calls and latest_checkpoint(out).name == "step_000005"
+    assert not list((out / "checkpoints").glob(".partial-*"))  # nothing half-written
+    monkeypatch.undo()
+    assert run(config, resume=True, progress=False).output_dir == out
+
+
 def test_a_resumed_run_keeps_what_auto_chose_at_its_start_and_records_the_machine_it_goes_on(run_config):
     config = run_config(save_every=5)  # mixed_precision "auto": fp32 on a CPU without train.auto_cpu_bf16
     out = run(config, progress=False).output_dir

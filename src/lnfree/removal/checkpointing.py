@@ -35,6 +35,7 @@ def save_checkpoint(
     partial = folder.with_name(PARTIAL + folder.name)
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)
+    check_space(out, folder.name)  # on every process, so that all stop together
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
     if accelerator.is_main_process:
@@ -54,6 +55,20 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return folder
+
+
+def check_space(out: Path, name: str) -> None:
+    """A `RunError` before writing checkpoint `name` where the disk has less room than the newest checkpoint
+    took: a full disk otherwise fails deep inside torch.save, with a message that names neither."""
+    complete = checkpoints(out)[0]
+    if not complete:
+        return
+    need = sum(f.stat().st_size for f in complete[-1].iterdir() if f.is_file())
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise RunError(f"no room for checkpoint {name}: {free / 1e9:.2f} GB free on the disk of {out}, the last "
+                       f"checkpoint took {need / 1e9:.2f} GB. Free some space (or keep fewer checkpoints: "
+                       "train.keep_checkpoints, train.keep_steps) and resume with --resume")
 
 
 def resume_checkpoint(out: Path) -> Path:

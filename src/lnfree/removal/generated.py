@@ -37,7 +37,8 @@ def coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, 
         raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
     def rows(step: int, micro: int, cov, first: bool = False, text=None):  # first: the one-token rows (text: theirs)
         if first:
-            return first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=config.train.seed, text=text)
+            return first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=config.train.seed, text=text,
+                                   replay=mined.replay(cov))
         return coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
                             seed=config.train.seed, replay=mined.replay(cov))
     return rows, mined

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch.nn.utils import get_total_norm
 
 from lnfree.fixedscale.functional import second_moment
@@ -98,9 +98,21 @@ class Coverage(BaseModel):
     first_text_share: float = Field(0.0, ge=0, le=1, description="share of the one-token rows whose id is drawn "
                                     "from the text micro-batch before them (ids as frequent as in text: a uniform "
                                     "draw reaches a frequent id as rarely as any other)")
+    first_replay_share: float = Field(0.0, ge=0, le=1, description="share of the one-token rows whose id is one "
+                                      "the setting replays (`replay`, `mine`): an id that runs away alone at position 0 "
+                                      "(`mine.alone`) is then trained there many times, not once in 1,000 steps")
     mine: Mining | None = Field(
         None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
         "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
+
+    @model_validator(mode="after")
+    def _first_shares(self):
+        if self.first_text_share + self.first_replay_share > 1:
+            raise ValueError(f"first_text_share {self.first_text_share} + first_replay_share "
+                             f"{self.first_replay_share}: the shares of the one-token rows add up to more than 1")
+        if self.first_replay_share and self.replay is None and self.mine is None:
+            raise ValueError("first_replay_share: nothing to replay (set replay or mine)")
+        return self
 
     @field_validator("replay", mode="before")
     @classmethod
@@ -141,18 +153,26 @@ def coverage_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, c
 
 
 def first_token_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *, vocab_size: int,
-                    seed: int, text: torch.Tensor | None = None) -> torch.Tensor:
+                    seed: int, text: torch.Tensor | None = None, replay: list[int] | None = None) -> torch.Tensor:
     """The one-token rows (`first_token_rows`, 1) of one micro-step, on `text`'s device: uniform random ids,
-    the first `first_text_share` of them tokens of the micro-batch `text` instead; a pure function of the
-    arguments (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so what it
-    writes there depends on its id alone: these rows bound position 0 for every input without BOS."""
+    the first `first_text_share` of them tokens of the micro-batch `text` instead and the next
+    `first_replay_share` ids of `replay` (default: the setting's own list); a pure function of the arguments
+    (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so what it writes there
+    depends on its id alone: these rows bound position 0 for every input without BOS."""
     rng = np.random.default_rng([seed, _FIRST_STREAM, step, micro_step, rank])
-    ids = torch.from_numpy(rng.integers(0, vocab_size, (coverage.first_token_rows, 1)))
-    drawn = round(coverage.first_text_share * coverage.first_token_rows) if text is not None else 0
-    if not drawn:
-        return ids
-    at = torch.from_numpy(rng.integers(0, text.numel(), drawn)).to(text.device)
-    return torch.cat([text.reshape(-1)[at][:, None], ids[drawn:].to(text.device)])
+    n = coverage.first_token_rows
+    ids = torch.from_numpy(rng.integers(0, vocab_size, (n, 1)))
+    device = text.device if text is not None else ids.device
+    drawn = round(coverage.first_text_share * n) if text is not None else 0
+    if drawn:
+        at = torch.from_numpy(rng.integers(0, text.numel(), drawn)).to(device)
+        ids = torch.cat([text.reshape(-1)[at][:, None], ids[drawn:].to(device)])
+    replay = coverage.replay if replay is None else replay
+    replayed = min(round(coverage.first_replay_share * n), n - drawn) if replay else 0
+    if replayed:  # drawn after the text's ids, so that a setting without it keeps its rows
+        picked = torch.as_tensor(replay)[torch.from_numpy(rng.integers(0, len(replay), replayed))]
+        ids[drawn:drawn + replayed, 0] = picked.to(device)
+    return ids.to(device)
 
 
 def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,
