@@ -145,6 +145,11 @@ def test_a_runs_one_token_rows_replay_what_it_mined(run_config, model_dir):
     rows, _ = coverage_rows(config, 0, 8, model, tokenizer)
     one = rows(5, 0, config.train.coverage, True)
     assert one.shape == (16, 1) and set(one[:8, 0].tolist()) <= {7, 9}
+    text = torch.full((2, 8), 11)  # with text, its share comes first: 4 text rows, 8 replayed, 4 uniform
+    cov = config.train.coverage.model_copy(update={"first_text_share": 0.25})
+    whole, replayed, rest = (rows(5, 0, cov, True, text, part) for part in (None, True, False))
+    assert replayed.shape == (8, 1) and set(replayed[:, 0].tolist()) <= {7, 9}
+    assert torch.equal(whole, torch.cat([rest[:4], replayed, rest[4:]])) and (rest[:4] == 11).all()
 
 
 def test_every_process_sweeps_as_many_ids_whatever_its_share(monkeypatch):
@@ -200,6 +205,22 @@ def test_a_run_with_one_token_rows_trains_and_logs_their_hinge_apart(run_config)
     assert any(r["first_tail"] > 0 and r["first_share"] > 0 for r in steps)  # the hinge fired and had a gradient
     plain = with_overrides(run_config(max_steps=12), {"train.coverage": {**cov, "first_token_rows": 0}})
     assert "first_tail" not in objective_record_keys(plain)
+
+
+def test_replayed_one_token_rows_capped_apart_train_and_log_their_own_hinge(run_config):
+    cov = {"rows": 1, "ratio": 1.2, "start": 0, "max_grad_share": 0.3, "first_token_rows": 8, "first_text_share": 0.25,
+           "first_replay_share": 0.5, "replay": [3, 4], "first_replay_apart": True}
+    config = with_overrides(run_config(max_steps=12), {"train.coverage": cov, "train.distill_alpha": 0.5,
+                                                      "train.eval_every": 0, "train.log_every": 1})
+    out = run(config, progress=False).output_dir
+    steps = [r for r in (json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 12 and np.isfinite([[r["first_tail"], r["first_replay_tail"]] for r in steps]).all()
+    assert any(r["first_replay_tail"] > 0 and r["first_replay_share"] > 0 for r in steps)
+    assert {"first_tail", "first_share"} <= objective_record_keys(config)
+    assert "first_replay_tail" not in objective_record_keys(with_overrides(config, {"train.coverage": {
+        **cov, "first_replay_apart": False}}))
+    with pytest.raises(ValueError, match="no replayed one-token rows"):
+        Coverage(first_token_rows=8, first_replay_apart=True)
 
 
 def objective_record_keys(config) -> set:

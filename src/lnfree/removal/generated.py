@@ -11,6 +11,7 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch import nn
@@ -19,7 +20,7 @@ from lnfree.data.documents import TokenData, bos_token
 from lnfree.fixedscale.ceiling import set_ceiling
 from lnfree.removal.config import RunConfig
 from lnfree.removal.layout import MINED
-from lnfree.removal.losses.coverage import coverage_ids, first_token_ids
+from lnfree.removal.losses.coverage import coverage_ids, first_token_counts, first_token_ids
 from lnfree.removal.losses.massive import pieces, tail_at
 from lnfree.removal.mining import MinedIds, mine
 from lnfree.removal.resolve import RunError
@@ -35,10 +36,16 @@ def coverage_rows(config: RunConfig, rank: int, context: int, model: nn.Module, 
     outside = [i for p in pieces(coverage) for i in p.replay or () if not 0 <= i < vocab]
     if outside:
         raise RunError(f"train.coverage.replay: ids outside the vocabulary of {vocab:,}: {outside[:5]}")
-    def rows(step: int, micro: int, cov, first: bool = False, text=None):  # first: the one-token rows (text: theirs)
+    def rows(step: int, micro: int, cov, first: bool = False, text=None, replayed: bool | None = None):
+        """first: the one-token rows (text: theirs), only the replayed ones (`replayed` True), or all but them (False)."""
         if first:
-            return first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=config.train.seed, text=text,
-                                   replay=mined.replay(cov))
+            replay = mined.replay(cov)
+            ids = first_token_ids(cov, step, micro, rank, vocab_size=vocab, seed=config.train.seed, text=text,
+                                  replay=replay)
+            if replayed is None:
+                return ids
+            drawn, count = first_token_counts(cov, text=text is not None, replaying=bool(replay))
+            return ids[drawn:drawn + count] if replayed else torch.cat([ids[:drawn], ids[drawn + count:]])
         return coverage_ids(cov, step, micro, rank, context=context, vocab_size=vocab, bos=bos,
                             seed=config.train.seed, replay=mined.replay(cov))
     return rows, mined

@@ -13,7 +13,8 @@ launch``: DDP, or FSDP through an accelerate config).
 The pieces live beside it: `lnfree.removal.resolve` (the config resolved against the model),
 `lnfree.removal.launch` (the accelerator and its processes), `lnfree.removal.runfolder` (opening the run folder),
 `lnfree.removal.preparation` (model, teacher, autocast, optimiser), `lnfree.removal.records` (held-out measurements
-and the log), `lnfree.removal.checkpointing` (save and resume). Their public names are importable from here too.
+and the log), `lnfree.removal.checkpointing` (save and resume), `lnfree.removal.capped` (the generated rows' and
+the stability margin's passes after the text's). Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from lnfree.fixedscale.ceiling import ScaleCeiling, set_ceiling
 from lnfree.removal.checkpointing import load_checkpoint_state, save_checkpoint
 from lnfree.removal.frozen_head import use_frozen_head
 from lnfree.removal.config import RunConfig
-from lnfree.removal.losses.coverage import Coverage, HeldGradients
-from lnfree.removal.losses.margin import margin_site
+from lnfree.removal.capped import coverage_backward, margin_backward
+from lnfree.removal.losses.coverage import Coverage
 from lnfree.data.documents import DeviceBatches, StepBatches, TokenData, bos_token, prepare_data
-from lnfree.removal.launch import average_gradients, make_accelerator, quiet_libraries
+from lnfree.removal.launch import make_accelerator, quiet_libraries
 from lnfree.removal.layout import LOG, START, TOKENIZER
 from lnfree.removal.losses.massive import Damping, find_massive_neurons, tail_at
 from lnfree.models.base import load_base
@@ -398,62 +399,10 @@ def _forward_backward(s: _Setup, model: nn.Module, objective: Objective, step: i
         texts.append(ids)
     coverage = tail_at(s.config.train.coverage, step)
     if coverage is not None:
-        totals += _coverage_backward(s, model, objective, step, coverage, texts)
+        totals += coverage_backward(s, model, objective, step, coverage, texts)
     if margin is not None:
-        totals += _margin_backward(s, model, objective, step, [t[:margin.rows] for t in texts], margin,
+        totals += margin_backward(s, model, objective, step, [t[:margin.rows] for t in texts], margin,
                                    upcoming(margin.preview) if margin.preview else None)
-    return totals
-
-
-def _coverage_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, cov: Coverage,
-                       texts: list[torch.Tensor]) -> torch.Tensor:
-    """`step`'s generated rows (`lnfree.removal.losses.coverage`, settings `cov`), then its one-token rows (some drawn from `texts`, the step's micro-batches), after the text's gradients, each capped apart at `max_grad_share` of the gradient before them (uncapped share: `cov_share`, `first_share`)."""
-    micros, device, bos = range(s.batches.accumulation), s.accelerator.device, s.data.bos_token_id
-    rows = (_evaluated(lambda m=m: objective.coverage(model, s.coverage_rows(step, m, cov).to(device), cov, bos)) for m in micros)
-    totals = _capped_backward(s, model, rows, cov.max_grad_share, "cov_share", objective.teaching(cov.kl_weight))
-    if cov.first_token_rows:  # capped apart: the replayed rows' gradient would otherwise scale theirs away
-        first = (_evaluated(lambda m=m: objective.first_tokens(model, s.coverage_rows(step, m, cov, True, texts[m]).to(device), cov)) for m in micros)
-        totals += _capped_backward(s, model, first, cov.max_grad_share, "first_share", reads_logits=False)
-    return totals
-
-
-def _margin_backward(s: _Setup, model: nn.Module, objective: Objective, step: int, texts: list[torch.Tensor],
-                     margin, preview: list | None) -> torch.Tensor:
-    """The stability margin (`lnfree.removal.losses.margin`) on the first rows of each of `step`'s micro-batches
-    (`texts`), after the text's gradients: one perturbed site per micro-step (or the `preview` switches
-    made at once), its gradient capped at `max_grad_share` of what came before it (`_capped_backward`; the
-    uncapped share in `margin_share`)."""
-    rank, layers, seed = s.accelerator.process_index, s.arch.n_layers, s.config.train.seed
-    passes = (objective.margin(model, ids, margin_site(seed, step, micro, rank, layers=layers, context=ids.shape[1]),
-                               margin, preview) for micro, ids in enumerate(texts))
-    return _capped_backward(s, model, passes, margin.max_grad_share, "margin_share", reads_logits=False)
-
-
-@contextlib.contextmanager
-def _evaluated(compute: Callable):
-    """A context that gives `compute()`, called on entering it."""
-    yield compute()
-
-
-def _capped_backward(s: _Setup, model: nn.Module, passes, share: float | None, share_term: str,
-                     reads_logits: bool = True) -> torch.Tensor:
-    """Forwards and backwards after the text's gradients are complete (and synchronised), one per micro-step:
-    each of `passes` a context giving (loss, terms), entered inside the micro-step's gradient-sync context and
-    left after its backward; their gradient capped at `share` of what came before (`HeldGradients`). Return their
-    loss terms, with the uncapped share in `share_term`. Passes whose loss is not read off the logits (norm inputs,
-    by hooks) run outside DDP's sync, which traces a backward from the forward's output, then are averaged."""
-    accelerator, accumulation = s.accelerator, s.batches.accumulation
-    manual = not reads_logits and accelerator.num_processes > 1 and not s.sharded
-    text_grads = HeldGradients([p for p in model.parameters() if p.requires_grad], in_place=s.sharded)
-    totals = torch.zeros(len(TERMS), device=accelerator.device)
-    for micro, losses in enumerate(passes):
-        synced = micro == accumulation - 1 and not manual
-        with contextlib.nullcontext() if synced else accelerator.no_sync(model), losses as (loss, terms):
-            accelerator.backward(loss / accumulation)
-        totals += terms / accumulation
-    if manual:
-        average_gradients(text_grads.params)
-    totals[TERMS.index(share_term)] = text_grads.add_back(share)
     return totals
 
 

@@ -101,6 +101,10 @@ class Coverage(BaseModel):
     first_replay_share: float = Field(0.0, ge=0, le=1, description="share of the one-token rows whose id is one "
                                       "the setting replays (`replay`, `mine`): an id that runs away alone at position 0 "
                                       "(`mine.alone`) is then trained there many times, not once in 1,000 steps")
+    first_replay_apart: bool = Field(False, description="cap the replayed one-token rows' gradient apart from the "
+                                     "other one-token rows' (each at max_grad_share; logged as first_replay_tail and "
+                                     "first_replay_share): under one cap the replayed ids' larger hinge scales the "
+                                     "text's and uniform rows' gradient away")
     mine: Mining | None = Field(
         None, description="when this setting starts, sweep a part of the vocabulary for ids that run away when "
         "repeated (lnfree.removal.mining) and replay them with `replay` and the ids earlier settings mined")
@@ -112,6 +116,8 @@ class Coverage(BaseModel):
                              f"{self.first_replay_share}: the shares of the one-token rows add up to more than 1")
         if self.first_replay_share and self.replay is None and self.mine is None:
             raise ValueError("first_replay_share: nothing to replay (set replay or mine)")
+        if self.first_replay_apart and not (self.first_replay_share and self.first_token_rows):
+            raise ValueError("first_replay_apart: no replayed one-token rows (set first_token_rows and first_replay_share)")
         return self
 
     @field_validator("replay", mode="before")
@@ -160,19 +166,26 @@ def first_token_ids(coverage: Coverage, step: int, micro_step: int, rank: int, *
     (a stream apart from `coverage_ids`'). A token at position 0 attends to itself only, so what it writes there
     depends on its id alone: these rows bound position 0 for every input without BOS."""
     rng = np.random.default_rng([seed, _FIRST_STREAM, step, micro_step, rank])
-    n = coverage.first_token_rows
-    ids = torch.from_numpy(rng.integers(0, vocab_size, (n, 1)))
+    replay = coverage.replay if replay is None else replay
+    ids = torch.from_numpy(rng.integers(0, vocab_size, (coverage.first_token_rows, 1)))
     device = text.device if text is not None else ids.device
-    drawn = round(coverage.first_text_share * n) if text is not None else 0
+    drawn, replayed = first_token_counts(coverage, text=text is not None, replaying=bool(replay))
     if drawn:
         at = torch.from_numpy(rng.integers(0, text.numel(), drawn)).to(device)
         ids = torch.cat([text.reshape(-1)[at][:, None], ids[drawn:].to(device)])
-    replay = coverage.replay if replay is None else replay
-    replayed = min(round(coverage.first_replay_share * n), n - drawn) if replay else 0
     if replayed:  # drawn after the text's ids, so that a setting without it keeps its rows
         picked = torch.as_tensor(replay)[torch.from_numpy(rng.integers(0, len(replay), replayed))]
         ids[drawn:drawn + replayed, 0] = picked.to(device)
     return ids.to(device)
+
+
+def first_token_counts(coverage: Coverage, *, text: bool, replaying: bool) -> tuple[int, int]:
+    """(rows drawn from the text, rows drawn from the replayed ids) of one micro-step's one-token rows
+    (`first_token_ids`: those first, in that order, then the uniform ones), given whether there is text to draw
+    from and ids to replay."""
+    n = coverage.first_token_rows
+    drawn = round(coverage.first_text_share * n) if text else 0
+    return drawn, min(round(coverage.first_replay_share * n), n - drawn) if replaying else 0
 
 
 def typical_log_scales(inputs: list[torch.Tensor], input_ids: torch.Tensor, eot_token_id: int,

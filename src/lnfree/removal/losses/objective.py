@@ -65,7 +65,8 @@ from lnfree.removal.losses.vocab_loss import IGNORE, HeadInput, compiles_vocab_t
 
 #: The loss and its terms, in the order `Objective.__call__` returns them.
 TERMS = ("loss", "ce", "aux", "kl", "scale", "head_scale", "key0", "tail", "pos0", "mlp0", "range", "gain", "growth",
-         "attn", "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share")
+         "attn", "margin", "margin_share", "cov_kl", "cov_tail", "cov_share", "first_tail", "first_share",
+         "first_replay_tail", "first_replay_share")
 #: One training step's row, as train.py stacks and logs it: the `TERMS`, then the gradient norm.
 STEP_ROW = (*TERMS, "grad_norm")
 #: The step-dependent terms and the `TrainConfig` field that sets each (`lnfree.removal.config.STEP_LOSSES`).
@@ -248,8 +249,8 @@ class Objective:
                 + weights[0] * excess + weights[1] * excess0 + weights[2] * silence + weights[3] * beyond
                 + weights[4] * gain + weights[5] * growth + weights[6] * attn)
         zero = torch.zeros_like(ce)
-        terms = (loss, ce, aux, kl, spread, heads, key0, excess, excess0, silence, beyond, gain, growth, attn,
-                 zero, zero, zero, zero, zero, zero, zero)
+        terms = (loss, ce, aux, kl, spread, heads, key0, excess, excess0, silence, beyond, gain, growth, attn)
+        terms += (zero,) * (len(TERMS) - len(terms))  # the passes after the text's (margin, coverage) fill the rest
         return loss, torch.stack([t.detach() for t in terms])
 
     def after_step(self, step: int) -> None:
@@ -274,16 +275,18 @@ class Objective:
         terms[0], terms[TERMS.index("cov_kl")], terms[TERMS.index("cov_tail")] = loss, kl, hinge
         return loss, torch.stack([t.detach() for t in terms])
 
-    def first_tokens(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_tokens(self, model: nn.Module, input_ids: torch.Tensor, cov: Coverage,
+                     term: str = "first") -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, the `TERMS`) of one-token rows `input_ids` (`Coverage.first_token_rows`), after a text
         micro-batch: the coverage hinge at their only token, position 0, against that text's typical scales;
-        no KL, the norms' σ statistics paused."""
+        no KL, the norms' σ statistics paused. `term`: the logged hinge's prefix (`first`, or `first_replay` for
+        the replayed rows capped apart)."""
         with surgery.statistics_paused(self.norm_inputs.model), self.norm_inputs.capturing():
             output = self._forward(model, input_ids, labels=False, logits=False)
         every = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
         hinge = coverage_hinge(self.norm_inputs.take(), self.typical, self.norm_kind, cov.ratio, every)
         terms = [torch.zeros_like(hinge)] * len(TERMS)
-        terms[0], terms[TERMS.index("first_tail")] = cov.weight * hinge, hinge
+        terms[0], terms[TERMS.index(f"{term}_tail")] = cov.weight * hinge, hinge
         return cov.weight * hinge + _output_tie(output), torch.stack([t.detach() for t in terms])
 
     @contextlib.contextmanager
@@ -382,6 +385,8 @@ class Objective:
             del record["cov_kl"], record["cov_tail"], record["cov_share"]
         if not any(piece.first_token_rows for piece in pieces(self.train.coverage)):
             del record["first_tail"], record["first_share"]
+        if not any(piece.first_replay_apart for piece in pieces(self.train.coverage)):
+            del record["first_replay_tail"], record["first_replay_share"]
         for term, field in TAILS.items():
             if getattr(self.train, field) is None:
                 del record[term]
