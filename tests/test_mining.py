@@ -35,6 +35,7 @@ def test_a_setting_replays_its_own_list_and_what_it_and_earlier_settings_mined(t
     assert again.replay(Coverage(start=15, mine=Mining(), replay=[1])) == [1, 3, 7]
     assert again.replay(Coverage(start=20, mine=Mining())) == [3, 7, 9]
     assert again.replay(Coverage(start=30, replay=[5])) == [5]  # lists, does not mine: its own list only
+    assert again.replay(Coverage(start=20, mine=Mining(earlier=False), replay=[1])) == [1, 9]  # its own finds only
     assert again.replay(Coverage(start=30)) is None
 
 

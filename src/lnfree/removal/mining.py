@@ -70,6 +70,8 @@ class Mining(BaseModel):
                         "first token of an input without BOS): an id that overflows there is mined too. The ids that "
                         "run away only late in a long repeated row, past this sweep's short rows, are among them; a "
                         "sweep before position 0 is trained alone (coverage.first_token_rows) finds most of the vocabulary")
+    earlier: bool = Field(True, description="replay the ids that earlier settings mined too; false: only the ids "
+                          "this sweep finds, so that the setting's replayed rows concentrate on those still running away")
 
     @model_validator(mode="after")
     def _part_of_the_parts(self):
@@ -248,10 +250,11 @@ class MinedIds:
 
     def replay(self, coverage) -> list[int] | None:
         """A coverage setting's replay ids: its own `replay` list and, if it mines, every id found by a mining
-        setting that started no later; None when it neither lists nor mines."""
+        setting that started no later (with `mine.earlier` false, by itself only); None when it neither lists nor mines."""
         if coverage.mine is None:
             return coverage.replay
-        mined = [i for start, ids in sorted(self.found.items()) if start <= coverage.start for i in ids]
+        mined = [i for start, ids in sorted(self.found.items())
+                 if start == coverage.start or (coverage.mine.earlier and start < coverage.start) for i in ids]
         return list(dict.fromkeys([*(coverage.replay or []), *mined]))
 
     def add(self, start: int, ids: list[int], write: bool) -> None:
