@@ -11,6 +11,7 @@ import torch
 
 from conftest import experiment_script
 from lnfree.evaluate import evaluate
+from lnfree.forms.export import RunawayError
 from lnfree.removal.train import run
 
 
@@ -36,6 +37,28 @@ def test_the_lowest_bounded_ce_is_chosen_and_an_unbounded_run_keeps_its_last_che
         choose(partial[:1], removal=True)
 
 
+def test_a_removal_whose_lowest_checkpoint_fails_the_export_probe_keeps_the_next_that_passes():
+    script = _script()
+    rows = [_row(1450, 3.2503), _row(1500, 3.2533), _row(1550, 3.2680), _row(1551, 3.2594), _row(1400, 3.0, over=2)]
+    probed = []
+
+    def refusal(checkpoint):  # the seed-1 removal's case: step 1450 runs away on '<eos>' x3 without BOS
+        probed.append(checkpoint)
+        return "the model runs away on 1 of 22 probe rows" if checkpoint == "c/step_1450" else None
+
+    chosen = script.choose(rows, removal=True, refusal=refusal)
+    assert chosen["step"] == 1500 and chosen["passes_probe"] and chosen["bounded"]
+    assert probed == ["c/step_1450", "c/step_1500"]  # in CE order, only until one passes; 1400 is unbounded
+    assert rows[0]["export_probe"].startswith("the model runs away") and rows[1]["export_probe"] == script.PASSES
+    assert "export_probe" not in rows[2] and "export_probe" not in rows[4]
+    nothing = script.choose([_row(1450, 3.25), _row(1500, 3.26)], removal=True, refusal=lambda c: "runs away")
+    assert nothing["step"] == 1450 and nothing["passes_probe"] is False
+    assert "cannot be exported" in script.table({"run": "r", "dataset": "d", "rule": script.RULE, "chosen_step": 1450,
+                                                 "candidates": [nothing], "bounded": True, "passes_probe": False})
+    control = script.choose([_row(1450, 3.25), _row(1500, 3.26)], refusal=refusal)  # a control is never probed
+    assert control["step"] == 1450 and "passes_probe" not in control
+
+
 def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_config, tmp_path, monkeypatch):
     script = _script()
     finished = run(run_config(max_steps=12, save_every=3), progress=False)
@@ -58,6 +81,8 @@ def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_c
     assert len({round(r["ce"], 4) for r in rows}) == 4  # the steps differ: a choice was made
     best = min((r for r in rows if r["fully_ln_free"]), key=lambda r: r["ce"])
     assert choice["bounded"] and (choice["chosen_step"], choice["chosen"]) == (best["step"], best["checkpoint"])
+    assert choice["passes_probe"] and [r.get("export_probe") for r in rows if r["step"] == best["step"]] == ["passes"]
+    assert "| passes | **chosen** |" in (out / "choice.md").read_text()
     assert choice["export"] == str(tmp_path / "export")
     record = json.loads((tmp_path / "export" / "lnfree_removal.json").read_text())
     assert record["fully_removed"] and record["checkpoint"] == choice["chosen"]
@@ -71,7 +96,18 @@ def test_a_tiny_runs_checkpoints_are_evaluated_and_the_chosen_one_exported(run_c
     chosen = experiment_script("robust", "summary").choices(tmp_path / "results")
     assert chosen["ln_free"] == chosen["vanilla"] == {
         "step": best["step"], "checkpoint": best["checkpoint"], "bounded_on_validation": True, "dataset": "tiny",
-        "validation_ce": {str(r["step"]): r["ce"] for r in rows}}
+        "passes_export_probe": True, "validation_ce": {str(r["step"]): r["ce"] for r in rows}}
+    # where no bounded checkpoint passes the export's probe (here only step 12 has every norm fixed), the lowest is
+    # kept, marked so, and an earlier choice's export is not left behind to be verified as this one's
+    def runaway(*args, **kwargs):  # the export's probe measured: one row runs away
+        raise RunawayError("the model runs away on 1 of 22 probe rows: special token '<eos>' three times")
+
+    monkeypatch.setattr("lnfree.forms.export._probed", runaway)
+    script.main()
+    again = json.loads((out / "choice.json").read_text())
+    assert again["chosen_step"] == best["step"] and again["passes_probe"] is False
+    assert again["export_refused"].startswith("the model runs away") and not (tmp_path / "export").exists()
+    assert again["candidates"][-1]["export_probe"] == again["export_refused"]
 
 
 def _eval_table(folder: Path, label: str, ce) -> str:

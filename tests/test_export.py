@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import small_gpt2
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from lnfree.fixedscale import surgery
-from lnfree.forms.export import RECORD, ExportError, to_eps_trick, write_export
+from lnfree.forms.export import RECORD, ExportError, probe_refusal, to_eps_trick, write_export
 
 
 def removed_model(seed=0, distinct_v_sigma=True):
@@ -167,8 +168,10 @@ def test_probe_rows_the_model_itself_runs_away_on_are_refused_or_left_out_and_li
     planted = int(probe_batch(model.config, tokenizer, text_ids=text)[-1, 10])  # a token of the last (random) row
     text[text == planted] = 2
     ids = probe_batch(model.config, tokenizer, text_ids=text)  # the probe the export builds
+    assert probe_refusal(model, tokenizer, text) is None
     with torch.no_grad():
         model.model.embed_tokens.weight[planted] *= 1e18  # its residual stream far beyond any fp32 eps
+    assert re.search(r"runs away on \d+ of \d+ probe rows: .*random ids", probe_refusal(model, tokenizer, text))
     with pytest.raises(ExportError, match=r"runs away on \d+ of \d+ probe rows: .*random ids.*--allow-runaway"):
         write_export(model, tokenizer, tmp_path / "export", {}, probe=text)
     folder = write_export(model, tokenizer, tmp_path / "export", {}, probe=text, allow_runaway=True)

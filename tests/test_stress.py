@@ -95,6 +95,13 @@ def test_the_command_writes_its_report_exits_1_on_overflow_and_refuses_to_overwr
     resumed = runner.invoke(app, ["stress", "tiny", "--labels", "original", "--out", str(out), "--resume", *args])
     assert resumed.exit_code == 0 and "reused the records saved in" in resumed.output  # nothing measured again
     assert json.loads((out / "stress.json").read_text()) == saved and (out / "parts" / "original.json").exists()
+    # --pending measures nothing and prints the labels --resume would measure, one a line (what run.sh reads)
+    pending = runner.invoke(app, ["stress", "tiny", "tiny", "--labels", "original", "other", "--out", str(out),
+                                  "--resume", "--pending", *args])
+    assert pending.exit_code == 0 and pending.stdout == "other\n", pending.output
+    assert json.loads((out / "stress.json").read_text()) == saved and not (out / "parts" / "other.json").exists()
+    unresumed = runner.invoke(app, ["stress", "tiny", "--out", str(out), "--pending", *args])
+    assert unresumed.exit_code == 2 and "pass --resume too" in unresumed.output
     broken = planted(tiny_ln_free_export, tmp_path, 5, 1e36)  # overflows fp32 on the way through
     result = runner.invoke(app, ["stress", str(broken), "--out", str(tmp_path / "bad"), *args])
     assert result.exit_code == 1
@@ -222,10 +229,14 @@ def test_a_resumed_stress_reuses_only_the_records_whose_settings_inputs_and_weig
     monkeypatch.setattr(stress, "stress_model", lambda label, *a, **k: measured.append(label) or real(label, *a, **k))
     again = run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **FAST)
     assert measured == [] and again.reused == labels and again.to_dict() == first.to_dict()  # growth vs the first recomputed from the parts
+    listed = run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, pending_only=True, **FAST)
+    assert (listed.pending, listed.reused, listed.records, measured) == ([], labels, [], [])
     weights = next(copy.glob("*.safetensors"))
     tensors = load_file(weights)
     tensors["transformer.wte.weight"][5] *= 100.0
     save_file(tensors, weights, metadata={"format": "pt"})  # other weights, same label and folder: measured again
+    listed = run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, pending_only=True, **FAST)
+    assert (listed.pending, listed.reused, measured) == (["ln_free"], ["original"], [])
     run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **FAST)
     assert measured == ["ln_free"]
     run_stress(sources, "tiny", labels=labels, parts=parts, resume=True, **{**FAST, "repeated": 32})

@@ -11,12 +11,12 @@
 #    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each; both
 #    choose nothing on the test split;
 # 2. each run's end chosen on the whole validation half (experiments/robust/choose_step.py: the lowest CE among its
-#    bounded checkpoints from the recovery on, the same rule for both; the two side by side), the LN-free one
-#    exported; every later step measures the chosen checkpoints;
+#    bounded checkpoints from the recovery on, for the removal among those that pass the export's probe, the same
+#    rule for both; the two side by side), the LN-free one exported; every later step measures the chosen checkpoints;
 # 3. lnfree verify on that export, and lnfree eval of original, vanilla and LN-free on the whole realtext test
 #    split (block-bootstrap CIs): the first and only time anything reads the test half;
 # 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep (the
-#    two fine-tuned models side by side);
+#    two fine-tuned models side by side, or the one whose record is not reused alone on every core);
 # 5. the copying probe of the three (experiments/robust/induction.py: a repeated span of random ids), and each
 #    one's validation CE at its best softmax temperature (experiments/robust/temperature.py, the validation half);
 # 6. the residual-norm and DLA analyses, and summary.json (experiments/robust/summary.py).
@@ -105,11 +105,11 @@ step_done "$out/eval/summary.json" || run "$out/eval" lnfree eval "${models[@]}"
 # stress_models INDEX...: the original and the models at INDEX; each model's record is saved in stress/parts,
 # so the original is measured once (the first call) and the last call, with every model, only reuses records.
 # Only that last call leaves a report (stress.json marks the step done).
+stress_args=(--dataset realtext --context "$context" --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume)
 stress_models() {
   local i picked=("${models[0]}") names=("${labels[0]}")
   for i in "$@"; do picked+=("${models[$i]}"); names+=("${labels[$i]}"); done
-  run "$out/stress" lnfree stress "${picked[@]}" --labels "${names[@]}" --dataset realtext --context "$context" \
-    --repeated 512 --vocab all --batch-size 4 --out "$out/stress" --resume \
+  run "$out/stress" lnfree stress "${picked[@]}" --labels "${names[@]}" "${stress_args[@]}" \
     || true  # exit 1 means some model overflows: recorded in stress.json, summarised below
   if (( ${#picked[@]} < ${#models[@]} )) && [[ $DRY_RUN == 0 ]]; then
     rm -f "$REPO_ROOT/$out/stress/stress.json" "$REPO_ROOT/$out/stress/stress.md"
@@ -117,9 +117,19 @@ stress_models() {
 }
 stress_vanilla() { stress_models 1; }
 stress_ln_free() { stress_models 2; }
+# the fine-tuned models whose records are still to measure: side by side when both are, alone on every core when one
+# is (re-measuring a run whose control is unchanged reuses the control's record at once)
+stress_pending() {
+  if [[ $DRY_RUN == 1 ]]; then printf '%s\n' "${labels[@]:1}"; return 0; fi
+  (cd "$REPO_ROOT" && lnfree stress "${models[@]}" --labels "${labels[@]}" "${stress_args[@]}" --pending --no-progress)
+}
 if ! step_done "$out/stress/stress.json"; then
   stress_models
-  side_by_side "$runs" stress_vanilla stress_ln_free
+  pending=$(stress_pending)
+  if [[ $pending == *vanilla* && $pending == *ln_free* ]]; then side_by_side "$runs" stress_vanilla stress_ln_free
+  elif [[ $pending == *vanilla* ]]; then stress_vanilla
+  elif [[ $pending == *ln_free* ]]; then stress_ln_free
+  fi
   stress_models 1 2
 fi
 step_done "$out/copying/copying.json" || run "$out/copying" "$(python_bin)" experiments/robust/induction.py \

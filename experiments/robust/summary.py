@@ -54,6 +54,7 @@ def choices(out: Path) -> dict:
     """Per run, the end checkpoint chosen on the validation half and every candidate's CE there (choose_step.py)."""
     found = {arm: _json(out / "choice" / arm / "choice.json") for arm in ("ln_free", "vanilla")}
     return {arm: {"step": c["chosen_step"], "checkpoint": c["chosen"], "bounded_on_validation": c["bounded"],
+                  "passes_export_probe": c.get("passes_probe"),  # None: not probed (a control, or an older choice)
                   "dataset": c["dataset"], "validation_ce": {str(r["step"]): r["ce"] for r in c["candidates"]}}
             for arm, c in found.items()}
 

@@ -45,12 +45,16 @@ def stress(
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier stress report in --out.")] = False,
     resume: Annotated[bool, typer.Option(help="Reuse each model's record that an earlier run saved in OUT/parts with the same settings, inputs and weights (an interrupted sweep measures only the models left); replaces the report.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A progress bar per model.")] = True,
+    pending: Annotated[bool, typer.Option(help="With --resume: measure nothing, print the labels that have no reusable record in OUT/parts (one a line) and exit 0.")] = False,
 ) -> None:
     """Does each model stay bounded on a whole test split, repeated tokens and every vocabulary id? Exit 1 if any overflows."""
     from lnfree.evaluate.stress import markdown, run_stress
     from lnfree.removal.train import quiet_libraries
 
     names = [x.strip() for item in labels or [] for x in item.split(",") if x.strip()] or None
+    if pending and not resume:
+        typer.secho("error: --pending lists what --resume would measure; pass --resume too", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
     written = [out / name for name in STRESS_FILES if (out / name).exists()]
     if written and not (overwrite or resume):
         typer.secho(f"error: {written[0]} exists; pass --overwrite to replace it, --resume to reuse its "
@@ -62,10 +66,15 @@ def stress(
             report = run_stress(models, dataset, labels=names, context=context, n_sequences=n_sequences,
                                 repeated=_count(repeated, "--repeated"), vocab=_count(vocab, "--vocab"),
                                 batch_size=batch_size, device=device, dtype=dtype, form=form, seed=seed,
-                                progress=progress, with_bos=bos, parts=out / STRESS_PARTS, resume=resume)
+                                progress=progress, with_bos=bos, parts=out / STRESS_PARTS, resume=resume,
+                                pending_only=pending)
     except (LnfreeError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
+    if pending:
+        for label in report.pending:
+            typer.echo(label)
+        return
     if report.reused:
         typer.echo(f"reused the records saved in {out / STRESS_PARTS} (same settings, inputs and weights): "
                    f"{', '.join(report.reused)}")

@@ -271,6 +271,7 @@ class StressReport:
     settings: dict
     records: list[StressRecord]
     reused: list[str] = field(default_factory=list)  # labels whose saved record was reused (`resume`)
+    pending: list[str] = field(default_factory=list)  # labels with no saved record to reuse (`pending_only`)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "models": {r.label: r.to_dict() for r in self.records}}
@@ -280,13 +281,15 @@ def stress_models(
     labelled: Sequence[tuple[str, str, torch.nn.Module]], tokenizer, test_ids: torch.Tensor, counts: np.ndarray, *,
     context: int, repeated: int | None, vocab: int | None, seed: int = 0, batch_size: int = 8,
     progress: bool = False, settings: dict | None = None, with_bos: bool = True, parts: Path | None = None,
-    resume: bool = False,
+    resume: bool = False, pending_only: bool = False,
 ) -> StressReport:
     """`stress_model` on each (label, source, model) in turn, the first one's envelope the reference of
     the growth; `counts` (token frequencies of the training text) choose the repeated-token ids. Probe
     rows start with BOS where the family reads one, unless `with_bos` is False. `parts`: a folder where
     each model's record is saved once measured; `resume`: reuse a saved record whose settings, inputs,
-    label, source and weights all match (`part_key`), so an interrupted run measures only what is left."""
+    label, source and weights all match (`part_key`), so an interrupted run measures only what is left.
+    `pending_only`: measure nothing; the report lists which labels `resume` would reuse and which it would measure
+    (so that a script can give a lone model every core)."""
     model = labelled[0][2]
     vocab_size = int(model.config.vocab_size)
     bos = tokenizer.bos_token_id if architecture(model).prepends_bos and with_bos else None
@@ -299,10 +302,13 @@ def stress_models(
             "repeated_probe_ids": probe_ids.tolist() if len(probe_ids) <= 4096 else len(probe_ids),
             "vocab_sweep_ids": vocab_size if vocab is None else min(vocab, vocab_size), **(settings or {})}
     inputs = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (test_ids, probes, sweep))).hexdigest()
-    records, reused, first = [], [], None
+    records, reused, pending, first = [], [], [], None
     for label, source, module in labelled:
         key = part_key(info | {"inputs": inputs}, label, source, module) if parts is not None else None
         record = load_part(parts, label, key) if parts is not None and resume else None
+        if pending_only:
+            (pending if record is None else reused).append(label)
+            continue
         if record is None:
             record, limits = stress_model(label, source, module, tokenizer, test_ids, probes, sweep,
                                           first_envelope=first, batch_size=batch_size, progress=progress)
@@ -316,7 +322,7 @@ def stress_models(
             record.max_growth_vs_first = None if growth is None else float(growth.max())
         first = limits if first is None else first
         records.append(record)
-    return StressReport(info, records, reused)
+    return StressReport(info, records, reused, pending)
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -375,7 +381,7 @@ def run_stress(
     sources: Sequence[str], dataset: str = "tiny", *, labels: Sequence[str] | None = None, context: int = 128,
     n_sequences: int | None = None, repeated: int | None = 512, vocab: int | None = 8192, batch_size: int = 8,
     device: str = "auto", dtype: str = "fp32", form: str = "hf", seed: int = 0, progress: bool = False,
-    with_bos: bool = True, parts: Path | None = None, resume: bool = False,
+    with_bos: bool = True, parts: Path | None = None, resume: bool = False, pending_only: bool = False,
 ) -> StressReport:
     """Load the models (`lnfree.evaluate.load_models`), read the dataset's whole test split (or its first
     `n_sequences`) and `stress_models` them on identical inputs. `repeated` / `vocab` None: every id.
@@ -402,7 +408,7 @@ def run_stress(
                 "vocab_requested": "all" if vocab is None else vocab, "with_bos": with_bos}
     return stress_models(labelled, first.tokenizer, test_ids, counts, context=context, repeated=repeated,
                          vocab=vocab, seed=seed, batch_size=batch_size, progress=progress, settings=settings,
-                         with_bos=with_bos, parts=parts, resume=resume)
+                         with_bos=with_bos, parts=parts, resume=resume, pending_only=pending_only)
 
 
 def markdown(report: StressReport) -> str:

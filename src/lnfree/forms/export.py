@@ -246,9 +246,7 @@ def write_export(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
-    ids, kinds = probe_rows(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
-    rows = norm_input_peaks(model, ids)
-    ids, rows, runaway, kept = _without_runaway_rows(ids, rows, kinds, tokenizer, allow_runaway)
+    ids, rows, runaway, kept = _probed(model, tokenizer, probe, allow_runaway)
     peaks = {slot: float(value.max()) for slot, value in rows.items()}
     peak = max(peaks.values())
     eps = choose_eps(peak)
@@ -280,6 +278,21 @@ def write_export(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def probe_refusal(model: nn.Module, tokenizer, probe: torch.Tensor | None = None) -> str | None:
+    """Why `write_export` would refuse `model` on its probe rows (some row runs away), or None where it would not."""
+    try:
+        _probed(model, tokenizer, probe, allow_runaway=False)
+    except ExportError as err:
+        return str(err)
+    return None
+
+
+def _probed(model: nn.Module, tokenizer, probe: torch.Tensor | None, allow_runaway: bool):
+    """The export's probe rows measured: `_without_runaway_rows` of their norm-input peaks."""
+    ids, kinds = probe_rows(model.config, tokenizer, text_ids=probe, n_positions=architecture(model).n_positions)
+    return _without_runaway_rows(ids, norm_input_peaks(model, ids), kinds, tokenizer, allow_runaway)
 
 
 def runaway_summary(described: list[dict], total: int) -> str:
