@@ -100,10 +100,12 @@ run_analysis() {
 # side_by_side LOGS FUNCTION...: run shell functions at once, each on an equal share of the cores
 # (OMP_NUM_THREADS) and with its output in LOGS/FUNCTION.log (LOGS relative to the repository root): two torch
 # processes that each take every core slow each other several-fold. One after the other, output to the
-# terminal, on a machine with fewer cores than functions or in a dry run. Fails if any of them fails.
+# terminal, on a machine with fewer cores than functions or in a dry run. Fails if any of them fails; no
+# function, nothing to do.
 side_by_side() {
   local logs=$1
   shift
+  (( $# )) || return 0
   local share=$(( $(nproc) / $# )) pids=() f status=0
   if (( share < 1 )) || [[ $DRY_RUN == 1 ]]; then
     for f in "$@"; do "$f"; done

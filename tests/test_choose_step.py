@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -153,5 +154,8 @@ def test_paired_finite_compares_two_configs_gaps_on_the_same_sequences(tmp_path)
     value, interval = row.split(" | ")[2:4]
     low, high = (float(x) for x in interval.strip("[] |").split(", "))
     assert abs(float(value) + 0.10) < 0.01 and low < -0.10 < high and high < 0  # b's gap +0.10, a's +0.20
+    pooled = next(line for line in report.splitlines() if line.startswith("Mean of the 2 gaps"))
+    value, low, high = (float(x) for x in re.findall(r"[+-]\d\.\d+", pooled.rsplit(": ", 1)[1]))
+    assert abs(value - 0.15) < 0.01 and low < value < high and high - low < 0.02  # (0.20 + 0.10) / 2
     with pytest.raises(SystemExit, match="named 'ln_free'"):
         compare.read_tables([f"{tmp_path}/0/ln_free.csv", f"{tmp_path}/1/ln_free.csv"])

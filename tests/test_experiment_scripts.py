@@ -46,6 +46,14 @@ def test_side_by_side_shares_the_cores_and_runs_at_once(tmp_path):
     assert float(first[2]) < float(second[-1]) and float(second[2]) < float(first[-1])
 
 
+def test_side_by_side_gives_a_lone_function_every_core_and_none_nothing(tmp_path):
+    # run.sh passes only the arms left to train or choose: one left (its twin finished) gets every core
+    done = _bash(FUNCTIONS + 'side_by_side logs first\nside_by_side none\necho "status $?"', tmp_path, cores=4)
+    assert done.returncode == 0 and "status 0" in done.stdout, done.stderr
+    assert (tmp_path / "logs/first.log").read_text().split()[1] == "4"
+    assert not (tmp_path / "none").exists()
+
+
 def test_side_by_side_fails_when_one_function_fails(tmp_path):
     done = _bash(FUNCTIONS + "side_by_side logs first broken", tmp_path, cores=2)
     assert done.returncode != 0

@@ -10,7 +10,8 @@ folders; `NAME=PATH` names a table whose file name another one shares), drops th
 moving-block bootstrap of `lnfree eval` (`lnfree.evaluate.results.bootstrap_ci`, its default block length over the
 sequences kept, 1,000 resamples, seed 0). With `--gaps CONTROL:MODEL ...`, also each gap (MODEL − CONTROL) and
 each pair of gaps' difference, resampled together: whether one removal config's gap to its own control is smaller
-than another's on the same sequences. Writes OUT and prints it.
+than another's on the same sequences; with two gaps or more also their mean (for one recipe's seeds, its gap over
+runs). Writes OUT and prints it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def compare(ce: dict, gaps: list[tuple[str, str]]) -> str:
         lines += ["", "| gap a | gap b | gap b − gap a | 95 % CI |", "|---|---|---|---|"]
         lines += [f"| {m1} − {c1} | {m2} − {c2} | {interval([c1, m1, c2, m2], (1, -1, -1, 1))} |"
                   for (c1, m1), (c2, m2) in combinations(gaps, 2)]
+    if len(gaps) > 1:  # e.g. one recipe's seeds: their mean gap, the sequences resampled together
+        k = len(gaps)
+        pooled = interval([label for pair in gaps for label in pair], (-1 / k, 1 / k) * k)
+        lines += ["", f"Mean of the {k} gaps (the CI resamples the sequences only: it says nothing of the spread "
+                  "between runs, which the gaps' differences above show): " + pooled.replace(" | ", " ")]
     return "\n".join(lines) + "\n"
 
 

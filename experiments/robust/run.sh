@@ -8,11 +8,12 @@
 # folders (runs/robust/MODEL-seedSEED, experiments/results/<model>/robust/seedSEED): the run-to-run spread.
 #
 # 1. the removal (the config) and its vanilla control (the same config with --mode vanilla: the same
-#    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each; both
-#    choose nothing on the test split;
+#    tokens, generated rows, losses and learning-rate curve), side by side on half the cores each (the one left
+#    to train, on resuming, on every core); both choose nothing on the test split;
 # 2. each run's end chosen on the whole validation half (experiments/robust/choose_step.py: the lowest CE among its
 #    bounded checkpoints from the recovery on, for the removal among those that pass the export's probe, the same
-#    rule for both; the two side by side), the LN-free one exported; every later step measures the chosen checkpoints;
+#    rule for both; the two side by side, or the one left on every core), the LN-free one exported; every later
+#    step measures the chosen checkpoints;
 # 3. lnfree verify on that export, and lnfree eval of original, vanilla and LN-free on the whole realtext test
 #    split (block-bootstrap CIs): the first and only time anything reads the test half;
 # 4. lnfree stress of the three: the test split, repeated-token probes, the full vocabulary sweep (the
@@ -74,7 +75,12 @@ step_done() {
 
 train_ln_free() { removal_run "$runs/ln_free" "${seed_args[@]}"; }
 train_vanilla() { removal_run "$runs/vanilla" --mode vanilla "${seed_args[@]}"; }
-side_by_side "$runs" train_ln_free train_vanilla
+# the runs still to train: side by side when both are, a lone one (the other finished) on every core
+trains=()
+for arm in ln_free vanilla; do
+  [[ $DRY_RUN == 0 && -f $REPO_ROOT/$runs/$arm/summary.json ]] || trains+=("train_$arm")
+done
+side_by_side "$runs" "${trains[@]}"
 # Each run's end checkpoint, chosen on the validation half (choice/ARM/choice.json); the chosen LN-free one exported.
 chosen_export=$runs/chosen-export
 choose_arm() {  # choose_arm ARM EXTRA_ARGS...
@@ -85,9 +91,9 @@ choose_arm() {  # choose_arm ARM EXTRA_ARGS...
 }
 choose_ln_free() { choose_arm ln_free --export "$chosen_export"; }
 choose_vanilla() { choose_arm vanilla; }
-if ! step_done "$out/choice/ln_free/choice.json" || ! step_done "$out/choice/vanilla/choice.json"; then
-  side_by_side "$runs" choose_ln_free choose_vanilla
-fi
+chooses=()
+for arm in ln_free vanilla; do step_done "$out/choice/$arm/choice.json" || chooses+=("choose_$arm"); done
+side_by_side "$runs" "${chooses[@]}"
 chosen() {  # chosen ARM: the checkpoint chosen for ARM
   local file=$REPO_ROOT/$out/choice/$1/choice.json
   if [[ $DRY_RUN == 1 && ! -f $file ]]; then echo "$runs/$1/checkpoints/CHOSEN"; return 0; fi
